@@ -1,0 +1,1 @@
+"""The model: Transformer (CED backbone), attention (CSA2), mHC, DeepSeekMoE, Engram, RoPE."""

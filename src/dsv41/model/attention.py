@@ -1,0 +1,305 @@
+"""CSA2 attention: window KV, compressor, lightning indexer, candidate blocks, sparse attention.
+
+Each layer attends, in one softmax with a learned per-head sink, to (SPEC §3, §1a)
+  * its own sliding window of the last `window_size` tokens (KV = kv_norm(wkv(x)), RoPE, FP8), and
+  * for compressed layers, `index_topk` compressed entries chosen by an indexer.
+Keys and values are both the single 512-dim latent (MQA over the latent); the output has the
+query's rotation removed (inverse RoPE) and goes through a grouped low-rank projection.
+
+Layer sharing (CSA2): a Full layer owns a `Compressor` (m tokens → 1 entry by a per-channel
+softmax gate, RMSNorm; m = 1 is just RMSNorm(wkv(x))) and derives index keys from the *pre-RoPE*
+entries; entries and keys are rotated at their group's first position and FP4-quantized. Full and
+Reindex layers own an `Indexer` query; Reuse layers take the latest top-k. The decoder's Full
+layer also picks candidate blocks, and later Reindex layers score only inside them. Sharing goes
+through the per-forward `ForwardContext.shared` record — never a module global.
+
+The indexer learns from an auxiliary KL loss (SPEC §3 decision): target = main attention
+probability over the entries the layer may select (heads summed, renormalized), prediction =
+softmax of the index scores over the same entries; the indexer's inputs are detached.
+
+This is the eager, readable path (the executable spec); `attend` is the torch twin of the sparse
+attention kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dsv41.config import ModelConfig
+from dsv41.model.norm import RMSNorm
+from dsv41.model.rope import apply_rope, layer_frequencies, rope_angles
+from dsv41.model.state import ForwardContext
+from dsv41.plan import FULL, REINDEX, REUSE, LayerPlan
+from dsv41.quant.fp4 import fake_quant_index_fp4, fake_quant_kv_fp4
+from dsv41.quant.fp8 import fake_quant_window_fp8
+
+
+def _maybe(fq, x: Tensor, enabled: bool) -> Tensor:
+    return fq(x) if enabled else x
+
+
+class Compressor(nn.Module):
+    """m tokens → one 512-dim entry (returned before RoPE; the indexer reads that form)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.ratio = config.compress_ratios[layer_id]
+        self.head_dim = config.head_dim
+        self.wkv = nn.Linear(config.dim, config.head_dim, bias=False)
+        if self.ratio > 1:
+            self.wgate = nn.Linear(config.dim, config.head_dim, bias=False)
+        self.norm = RMSNorm(config.head_dim, config.norm_eps)
+
+    def pool(self, kv: Tensor, score: Tensor) -> Tensor:
+        """(..., m, D) projections and gate scores of one group → (..., D) fp32 pooled latent."""
+        return (kv * score.softmax(dim=-2)).sum(dim=-2)
+
+    def forward(self, x: Tensor, group_end: Tensor) -> Tensor:
+        """x: (B, T, dim); group_end: (B, N) token index of each group's last token → (B, N, D)."""
+        B, T, _ = x.shape
+        if self.ratio == 1:
+            kv = self.wkv(x)
+            idx = group_end.clamp(max=T - 1).unsqueeze(-1).expand(-1, -1, self.head_dim)
+            return self.norm(kv.gather(1, idx))
+        xf = x.float()  # pooling runs in fp32, as the reference does
+        kv, score = self.wkv(xf), self.wgate(xf)  # (B, T, D)
+        offsets = torch.arange(-(self.ratio - 1), 1, device=x.device)  # group members, oldest first
+        idx = (group_end.unsqueeze(-1) + offsets).clamp(0, T - 1)  # (B, N, m)
+        flat = idx.flatten(1).unsqueeze(-1).expand(-1, -1, self.head_dim)
+        kv_g = kv.gather(1, flat).unflatten(1, idx.shape[1:])  # (B, N, m, D)
+        score_g = score.gather(1, flat).unflatten(1, idx.shape[1:])
+        return self.norm(self.pool(kv_g, score_g).to(x.dtype))
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: score(t, s) = Σ_h w_{t,h} · relu(q_{t,h} · k_s)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(config.dim, self.n_heads, bias=False)
+        self.owns_k = layer_id in config.kv_source_layers
+        if self.owns_k:
+            self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+
+    def keys(self, latent: Tensor, cos: Tensor, sin: Tensor, quant: bool) -> Tensor:
+        """Index keys from pre-RoPE entries (B, N, D) → (B, N, index_head_dim)."""
+        k = apply_rope(self.k_norm(self.wk(latent)), cos, sin)
+        return _maybe(fake_quant_index_fp4, k, quant)
+
+    def queries(self, qr: Tensor, cos: Tensor, sin: Tensor, quant: bool) -> Tensor:
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # (B, T, Hi, Di)
+        return _maybe(fake_quant_index_fp4, apply_rope(q, cos, sin), quant)
+
+    def head_weights(self, x: Tensor) -> Tensor:
+        return self.weights_proj(x).float() * self.weight_scale  # (B, T, Hi)
+
+    @staticmethod
+    def scores(q: Tensor, weights: Tensor, k: Tensor) -> Tensor:
+        """(B, T, Hi, Di) × (B, T, Hi) × (B, N, Di) → (B, T, N) fp32, one head at a time."""
+        out = None
+        for h in range(q.size(2)):
+            s = torch.einsum("btd,bnd->btn", q[:, :, h].float(), k.float()).relu() * weights[:, :, h, None]
+            out = s if out is None else out + s
+        return out
+
+
+def select_candidate_blocks(scores: Tensor, block_id: Tensor, n_blocks: int, newest_block: Tensor,
+                            topk_blocks: int) -> Tensor:
+    """Level one of the hierarchical indexer: keep the top blocks per query.
+
+    scores (B, T, N) with unreachable entries at −inf; block_id (B, N) block of each slot;
+    newest_block (B, T) block holding the query's newest visible entry (−1 = none), pinned in
+    because it is only partly filled. Returns (B, T, N) bool: slot lies in a kept block."""
+    B, T, N = scores.shape
+    index = block_id.unsqueeze(1).expand(B, T, N)
+    block_scores = scores.new_full((B, T, n_blocks), float("-inf"))
+    block_scores = block_scores.scatter_reduce(-1, index, scores, reduce="amax", include_self=True)
+    pin = torch.arange(n_blocks, device=scores.device) == newest_block.unsqueeze(-1)
+    block_scores = block_scores.masked_fill(pin, float("inf"))
+    values, indices = stable_topk(block_scores, topk_blocks)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
+    return keep.gather(-1, index)
+
+
+def stable_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k along the last dim with ties broken towards the lower index. ReLU index scores tie
+    at 0 often; a deterministic rule keeps a document's choice independent of where it was packed
+    (its slots are contiguous and in position order) and makes the engine match the model."""
+    k = min(k, scores.size(-1))
+    values, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], idx[..., :k]
+
+
+def select_topk(scores: Tensor, k: int) -> Tensor:
+    """Top-k slots per query, in position order; picks with score −inf become −1 (at the end)."""
+    values, idx = stable_topk(scores, k)
+    big = scores.size(-1)
+    idx = torch.where(values > float("-inf"), idx, torch.full_like(idx, big)).sort(dim=-1).values
+    return torch.where(idx < big, idx, torch.full_like(idx, -1))
+
+
+def topk_mask(topk: Tensor, n: int) -> Tensor:
+    """(B, T, K) slot indices (−1 = none) → (B, T, n) bool selection mask."""
+    mask = torch.zeros(*topk.shape[:-1], n + 1, dtype=torch.bool, device=topk.device)
+    mask.scatter_(-1, torch.where(topk >= 0, topk, torch.full_like(topk, n)), True)
+    return mask[..., :n]
+
+
+def attend(q: Tensor, window_kv: Tensor, window_mask: Tensor, entries: Tensor | None, entry_mask: Tensor | None,
+           sink: Tensor, scale: float) -> Tensor:
+    """One softmax over window keys ∪ selected entries, plus a sink that only adds to the denominator.
+
+    q (B, Tq, H, D); window_kv (B, Tw, D); window_mask (B, Tq, Tw); entries (B, N, D);
+    entry_mask (B, Tq, N). K = V = the latent. Returns (B, Tq, H, D) in q's dtype."""
+    logits = [torch.einsum("bthd,bsd->bhts", q.float(), window_kv.float()) * scale]
+    masks = [window_mask]
+    values = [window_kv]
+    if entries is not None and entries.size(1):
+        logits.append(torch.einsum("bthd,bsd->bhts", q.float(), entries.float()) * scale)
+        masks.append(entry_mask)
+        values.append(entries)
+    scores = torch.cat(logits, dim=-1)  # (B, H, Tq, S)
+    scores = scores.masked_fill(~torch.cat(masks, dim=-1).unsqueeze(1), float("-inf"))
+    sink_col = sink.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
+    o = torch.einsum("bhts,bsd->bthd", probs, torch.cat(values, dim=1).float())
+    return o.to(q.dtype)
+
+
+def indexer_kl(q: Tensor, entries: Tensor, allowed: Tensor, index_scores: Tensor, scale: float) -> Tensor:
+    """KL(main attention over allowed entries ‖ softmax(index scores)), mean over queries with any entry.
+
+    The target is detached: heads' probabilities summed and renormalized (SPEC §3 decision)."""
+    has_any = allowed.any(-1)  # (B, T)
+    if not bool(has_any.any()):
+        return index_scores.new_zeros(())
+    with torch.no_grad():
+        logits = torch.einsum("bthd,bsd->bhts", q.float(), entries.float()) * scale
+        logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        target = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(1)  # (B, T, N)
+        target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
+    log_pred = torch.log_softmax(index_scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred), torch.zeros_like(target))
+    return kl.sum(-1)[has_any].mean()
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, plan: LayerPlan):
+        super().__init__()
+        c = config
+        self.layer_id, self.plan = plan.layer_id, plan
+        self.n_heads, self.head_dim, self.rope_dim = c.n_heads, c.head_dim, c.rope_head_dim
+        self.window, self.ratio = c.window_size, plan.ratio
+        self.n_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
+        self.qat = c.qat
+        self.index_topk = c.index_topk
+        self.candidate_topk_blocks, self.candidate_block_size = c.candidate_topk_blocks, c.candidate_block_size
+        self.scale = c.head_dim ** -0.5
+
+        self.attn_sink = nn.Parameter(torch.zeros(c.n_heads, dtype=torch.float32))
+        self.wq_a = nn.Linear(c.dim, c.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps)
+        self.wq_b = nn.Linear(c.q_lora_rank, c.n_heads * c.head_dim, bias=False)
+        self.wkv = nn.Linear(c.dim, c.head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.head_dim, c.norm_eps)
+        # grouped output: wo_a is block-diagonal over groups, stored as one (G·R, H·D/G) matrix
+        self.wo_a = nn.Linear(c.n_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.dim, bias=False)
+        if plan.owns_compressor:
+            self.compressor = Compressor(c, plan.layer_id)
+        if plan.owns_indexer:
+            self.indexer = Indexer(c, plan.layer_id)
+        self.register_buffer("freqs", layer_frequencies(c, plan.ratio), persistent=False)
+
+    # ------------------------------------------------------------ pieces the engine reuses
+    def angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return rope_angles(self.freqs, positions)
+
+    def query(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """(qr (B, T, q_lora_rank), q (B, T, H, D) rotated)."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        return qr, apply_rope(q, cos, sin)
+
+    def window_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """This layer's own window KV: kv_norm(wkv(x)), RoPE, FP8 (when quantizing)."""
+        return _maybe(fake_quant_window_fp8, apply_rope(self.kv_norm(self.wkv(x)), cos, sin), self.qat)
+
+    def entries(self, latent: Tensor, first_positions: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Pre-RoPE latents (B, N, D) → (entries rotated at their first position + FP4, index keys)."""
+        cos, sin = self.angles(first_positions)
+        index_k = None
+        if self.plan.owns_indexer and self.indexer.owns_k:
+            index_k = self.indexer.keys(latent.detach(), cos, sin, self.qat)
+        return _maybe(fake_quant_kv_fp4, apply_rope(latent, cos, sin), self.qat), index_k
+
+    def output(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Inverse RoPE on the output's rotary tail, then the grouped projection."""
+        o = apply_rope(o, cos, sin, inverse=True)
+        B, T = o.shape[:2]
+        o = o.reshape(B, T, self.n_groups, -1)  # (B, T, G, H·D/G)
+        wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)  # (G, R, H·D/G)
+        o = torch.einsum("btgd,grd->btgr", o, wo_a.to(o.dtype))
+        return self.wo_b(o.flatten(2))
+
+    # ------------------------------------------------------------ training / full-sequence forward
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        cos, sin = self.angles(ctx.positions)
+        qr, q = self.query(x, cos, sin)
+        window_kv = self.window_kv(x, cos, sin)
+        entries = entry_mask = None
+        if self.ratio:
+            entries, entry_mask = self._compressed(x, qr, q, ctx)
+        o = attend(q, window_kv, ctx.window_mask(self.window), entries, entry_mask, self.attn_sink, self.scale)
+        return self.output(o, cos, sin)
+
+    def _compressed(self, x: Tensor, qr: Tensor, q: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        shared, mode = ctx.shared, self.plan.mode
+        if mode == FULL:
+            slots = ctx.slots(self.ratio)
+            latent = self.compressor(x, slots.token)
+            shared.kv, shared.index_k = self.entries(latent, slots.first_position)
+            shared.slots, shared.kv_source = slots, self.layer_id
+        slots = shared.slots
+        visible = ctx.visible(self.ratio)  # (B, T, N)
+        allowed = visible
+        if mode in (FULL, REINDEX):
+            cos, sin = self.angles(ctx.positions)
+            iq = self.indexer.queries(qr.detach(), cos, sin, self.qat)
+            scores = Indexer.scores(iq, self.indexer.head_weights(x.detach()), shared.index_k)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            if self.plan.candidate_source:
+                shared.candidates = self._candidates(scores, visible, slots)
+                shared.candidate_source = self.layer_id
+            elif self.plan.uses_candidates:
+                allowed = visible & shared.candidates
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            shared.topk = select_topk(scores.detach(), self.index_topk)
+            shared.topk_source = self.layer_id
+            if ctx.training_losses:
+                ctx.indexer_losses.append(indexer_kl(q.detach(), shared.kv.detach(), allowed, scores, self.scale))
+        selected = topk_mask(shared.topk, slots.token.size(1)) & visible
+        if ctx.trace is not None:
+            ctx.trace.append(dict(layer=self.layer_id, mode=mode, kv_source=shared.kv_source, kv=shared.kv,
+                                  topk_source=shared.topk_source, topk=shared.topk, allowed=allowed,
+                                  candidates=shared.candidates if mode == REINDEX else None,
+                                  reused=mode == REUSE))
+        return shared.kv, selected
+
+    def _candidates(self, scores: Tensor, visible: Tensor, slots) -> Tensor:
+        """Candidate blocks of `candidate_block_size` entries, counted inside each document."""
+        bs = self.candidate_block_size
+        starts = slots.valid & (slots.group % bs == 0)  # first slot of each block
+        block_id = torch.where(slots.valid, starts.long().cumsum(1) - 1, torch.zeros_like(slots.group))
+        n_blocks = int(block_id.max().item()) + 1 if block_id.numel() else 1
+        # the query's newest visible slot: visible is a prefix within the document
+        n = visible.size(-1)
+        last = torch.where(visible, torch.arange(n, device=visible.device), -1).amax(-1)  # (B, T)
+        newest = torch.where(last >= 0, block_id.gather(1, last.clamp(min=0)), torch.full_like(last, -1))
+        keep = select_candidate_blocks(scores, block_id, n_blocks, newest, self.candidate_topk_blocks)
+        return keep & visible  # the newest block is partly in the future: the pool stays visible

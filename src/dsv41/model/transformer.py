@@ -1,0 +1,191 @@
+"""DeepSeek-V4.1-Flash text model: embed → hyper-connection streams → 40 blocks → collapse → head.
+
+Reads top-down (SPEC §1a, §2, §5): token embeddings become `hc_mult` identical streams; Engram adds
+n-gram memory to the streams before its blocks; each Block runs attention and MoE between mHC
+mixes (single-pass: a sublayer is fed by the pre-mix its predecessor computed); the last pre-mix
+collapses the streams, then RMSNorm and an fp32 head give logits.
+
+CED (SPEC §2) needs no special module: the decoder's only kv source is its first layer, whose
+compressor reads that layer's normalized attention input — the encoder output — so every decoder
+layer's global KV is a projection of the encoder output, exactly as in the official model.
+
+`Transformer.forward(tokens)` returns logits. `Transformer.losses(...)` is the training entry
+point: LM loss, indexer KL loss and MoE balance loss, separately, on packed batches whose
+documents never interact. Parameter names equal the official checkpoint's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dsv41.config import ModelConfig
+from dsv41.model.attention import Attention
+from dsv41.model.engram import Engram, NgramHasher
+from dsv41.model.mhc import hc_mixes, hc_post, hc_pre, identity_pre_mix
+from dsv41.model.moe import MoE
+from dsv41.model.norm import RMSNorm
+from dsv41.model.state import ForwardContext
+from dsv41.plan import LayerPlan, layer_plan
+
+
+class Block(nn.Module):
+    """Attention and MoE sublayers between hyper-connection mixes."""
+
+    def __init__(self, config: ModelConfig, plan: LayerPlan):
+        super().__init__()
+        c = config
+        self.layer_id = plan.layer_id
+        self.hc_mult, self.single_pass = c.hc_mult, c.single_pass_mhc
+        self.attn = Attention(c, plan)
+        self.ffn = MoE(plan.layer_id, c)
+        self.engram = Engram(c, plan.layer_id) if plan.engram else None
+        self.attn_norm = RMSNorm(c.dim, c.norm_eps)
+        self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
+        mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.dim
+        self.hc_attn_fn = nn.Parameter(torch.zeros(mix, width))
+        self.hc_ffn_fn = nn.Parameter(torch.zeros(mix, width))
+        self.hc_attn_base = nn.Parameter(torch.zeros(mix))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(mix))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3))
+        self._hc = dict(norm_eps=c.norm_eps, hc_mult=c.hc_mult, iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps)
+
+    def mixes(self, h: Tensor, which: str) -> tuple[Tensor, Tensor, Tensor]:
+        fn, scale, base = (getattr(self, f"hc_{which}_{p}") for p in ("fn", "scale", "base"))
+        return hc_mixes(h, fn, scale, base, **self._hc)
+
+    def forward(self, h: Tensor, pre_mix: Tensor, ctx: ForwardContext, image_mask: Tensor | None = None,
+                token_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """h: (B, T, n, d) streams; pre_mix: (B, T, n) made by the previous sublayer."""
+        attn_pre, attn_post, attn_comb = self.mixes(h, "attn")
+        x = self.attn_norm(hc_pre(h, pre_mix if self.single_pass else attn_pre))
+        h = hc_post(self.attn(x, ctx), h, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = self.mixes(h, "ffn")
+        x = self.ffn_norm(hc_pre(h, attn_pre if self.single_pass else ffn_pre))
+        h = hc_post(self.ffn(x, image_mask=image_mask, token_mask=token_mask), h, ffn_post, ffn_comb)
+        return h, ffn_pre
+
+
+@dataclass
+class Losses:
+    """Training losses of one forward, kept apart so each can be logged."""
+
+    lm: Tensor  # mean next-token cross-entropy over target tokens
+    indexer: Tensor  # mean KL of the index sources (0 when none ran)
+    balance: Tensor  # mean sequence-level MoE balance loss over layers (unweighted)
+    total: Tensor  # lm + indexer_loss_weight·indexer + balance_loss_weight·balance
+    n_tokens: int
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = c = config
+        self.plan = layer_plan(c)
+        self.embed = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(Block(c, p) for p in self.plan)
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        self.head = nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.hasher = NgramHasher(c) if c.engram_layer_ids else None
+        self.engram_index = {layer: k for k, layer in enumerate(c.engram_layer_ids)}
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens: Tensor, doc_ids: Tensor | None = None, image_mask: Tensor | None = None,
+                ctx: ForwardContext | None = None) -> Tensor:
+        """tokens (B, T) → logits (B, T, vocab) fp32. doc_ids (B, T) separates packed documents."""
+        ctx = ctx or ForwardContext.build(tokens, doc_ids)
+        return self.head_logits(self.hidden(tokens, ctx, image_mask))
+
+    def hidden(self, tokens: Tensor, ctx: ForwardContext, image_mask: Tensor | None = None,
+               token_mask: Tensor | None = None) -> Tensor:
+        """Collapsed final hidden state (B, T, dim), before the final norm."""
+        hash_ids = None
+        if self.hasher is not None:
+            hash_ids = self.hasher(tokens, doc_ids=ctx.doc_ids, dead_mask=image_mask)
+        engram_mask = None if image_mask is None else ~image_mask
+        h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)  # (B, T, n, d)
+        pre_mix = identity_pre_mix(h, self.config.hc_mult)
+        for layer in self.layers:
+            if layer.engram is not None:
+                h = layer.engram(h, hash_ids[:, :, self.engram_index[layer.layer_id]], engram_mask)
+            h, pre_mix = layer(h, pre_mix, ctx, image_mask=image_mask, token_mask=token_mask)
+        return hc_pre(h, pre_mix)
+
+    def head_logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(self.norm(hidden).float(), self.head.weight.float())
+
+    # ------------------------------------------------------------------ training entry point
+    def losses(self, tokens: Tensor, targets: Tensor, doc_ids: Tensor | None = None,
+               loss_mask: Tensor | None = None, image_mask: Tensor | None = None,
+               window_start: Tensor | None = None) -> Losses:
+        """All layers on all tokens (ordinary causal LM). `loss_mask` (B, T) picks the target
+        positions; padding is excluded from the MoE statistics. `window_start` simulates bounded
+        replay (keys before it are hidden from the window)."""
+        ctx = ForwardContext.build(tokens, doc_ids, training_losses=True, window_start=window_start)
+        if loss_mask is None:
+            loss_mask = torch.ones_like(targets, dtype=torch.bool)
+        logits = self.head_logits(self.hidden(tokens, ctx, image_mask, token_mask=loss_mask))
+        n = int(loss_mask.sum().item())
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        lm = (ce * loss_mask.flatten()).sum() / max(n, 1)
+        zero = lm.new_zeros(())
+        indexer = torch.stack(ctx.indexer_losses).mean() if ctx.indexer_losses else zero
+        bal = [m.last_balance_loss for m in self.moe_layers() if m.last_balance_loss is not None]
+        balance = torch.stack(bal).mean() if bal else zero
+        c = self.config
+        total = lm + c.indexer_loss_weight * indexer + c.balance_loss_weight * balance
+        return Losses(lm=lm, indexer=indexer, balance=balance, total=total, n_tokens=n)
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.ffn for layer in self.layers]
+
+    # ------------------------------------------------------------------ utilities
+    def set_engram_token_map(self, lookup: list[int] | Tensor, compressed_vocab_size: int) -> None:
+        """Install the tokenizer's compressed-vocabulary map used by Engram hashing."""
+        if self.hasher is not None:
+            self.hasher.set_token_map(lookup, compressed_vocab_size)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> Transformer:
+        """Training initialization: normal(std) linears and embeddings (output projections scaled
+        by 1/√(2·layers)), unit norms, zero sinks and gate biases, near-identity mHC mixing."""
+        if seed is not None:
+            torch.manual_seed(seed)
+        c = self.config
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue
+            if ".hc_" in f".{name}" or name.endswith("q_weight") or name.endswith("k_weight"):
+                continue
+            scale = 1 / math.sqrt(2 * c.n_layers) if name.endswith(("wo_b.weight", "w2.weight")) else 1.0
+            nn.init.normal_(p, std=std * scale)
+        n = c.hc_mult
+        for layer in self.layers:
+            for which in ("attn", "ffn"):
+                fn = getattr(layer, f"hc_{which}_fn")
+                nn.init.normal_(fn, std=1e-3)
+                base = getattr(layer, f"hc_{which}_base")
+                base.zero_()
+                base[:n] = -math.log(n - 1) if n > 1 else 0.0  # pre ≈ 1/n per stream
+                base[2 * n:] = (4.0 * torch.eye(n)).flatten()  # comb ≈ identity after Sinkhorn
+                getattr(layer, f"hc_{which}_scale").fill_(1.0)
+            layer.attn.attn_sink.zero_()
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+            if isinstance(m, Engram):
+                m.q_weight.fill_(1.0)
+                m.k_weight.fill_(1.0)
+        for moe in self.moe_layers():
+            moe.gate.bias.zero_()
+            if getattr(moe.gate, "bias_vl", None) is not None:
+                moe.gate.bias_vl.zero_()
+        return self
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

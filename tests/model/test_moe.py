@@ -1,0 +1,361 @@
+"""DeepSeekMoE (model/moe.py) against plain-torch hand computations written here, independently."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv41 import load_config
+from dsv41.model.moe import MoE, _grouped_mm_works, moe_modules, update_moe_biases
+
+RTOL, ATOL = 1e-5, 1e-5  # fp32
+
+
+def _config(vision: bool = False, **changes):
+    c = load_config("tiny")
+    if vision:
+        changes["vision_n_layers"] = 1
+    return c.replace(**changes) if changes else c
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL, atol: float = ATOL) -> None:
+    err = (got.float() - want.float()).abs()
+    assert torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol), \
+        f"max err {err.max().item():.3e}, mean err {err.mean().item():.3e}"
+
+
+def _randomize_biases(moe: MoE, scale: float = 0.3) -> None:
+    with torch.no_grad():
+        moe.gate.bias.copy_(torch.randn(moe.n_routed) * scale)
+        if moe.gate.bias_vl is not None:
+            moe.gate.bias_vl.copy_(torch.randn(moe.n_routed) * scale)
+
+
+# ---------------------------------------------------------------------- independent reference
+def ref_gate(x, weight, bias, bias_vl, image, cfg):
+    """Per token, in plain python: scores, chosen expert ids (by biased score), normalized weights."""
+    logits = x.double() @ weight.double().T / cfg.gate_temp
+    if cfg.score_func == "sqrtsoftplus":
+        s = torch.log1p(torch.exp(logits)).sqrt()
+    elif cfg.score_func == "sigmoid":
+        s = 1 / (1 + torch.exp(-logits))
+    else:
+        s = torch.exp(logits) / torch.exp(logits).sum(-1, keepdim=True)
+    k = cfg.n_activated_experts
+    chosen, weights = [], []
+    for t in range(x.shape[0]):
+        b = bias_vl if (image is not None and bias_vl is not None and image[t]) else bias
+        ids = sorted(range(s.shape[1]), key=lambda i: -(s[t, i].item() + b[i].item()))[:k]
+        w = s[t, ids]
+        if cfg.norm_topk_prob and k > 1:
+            w = w / w.sum()
+        chosen.append(ids)
+        weights.append(dict(zip(ids, (w * cfg.route_scale).tolist())))
+    return s, chosen, weights
+
+
+def ref_expert(x, e, limit, weight=1.0):
+    g = x.double() @ e.w1.weight.double().T
+    u = x.double() @ e.w3.weight.double().T
+    if limit > 0:
+        g = torch.minimum(g, torch.tensor(limit, dtype=g.dtype))
+        u = u.clamp(-limit, limit)
+    h = g / (1 + torch.exp(-g)) * u * weight
+    return h @ e.w2.weight.double().T
+
+
+# ---------------------------------------------------------------------- tests
+@pytest.mark.parametrize("score_func", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_gate_matches_hand_computation(score_func):
+    torch.manual_seed(1)
+    cfg = _config(vision=True, score_func=score_func, n_activated_experts=3)
+    moe = MoE(0, cfg)
+    _randomize_biases(moe, scale=0.5 if score_func != "softmax" else 0.05)
+    x = torch.randn(64, cfg.dim)
+    image = torch.rand(64) < 0.4
+    weights, indices, scores = moe.gate(x, image)
+    s, chosen, wref = ref_gate(x, moe.gate.weight, moe.gate.bias, moe.gate.bias_vl, image, cfg)
+    _close(scores, s)
+    assert weights.dtype == scores.dtype == torch.float32
+    for t in range(64):
+        assert sorted(indices[t].tolist()) == sorted(chosen[t]), f"token {t}"
+        want = torch.tensor([wref[t][i] for i in indices[t].tolist()])
+        _close(weights[t], want)
+
+
+def test_bias_steers_selection_not_weights_and_bias_vl_is_for_images():
+    torch.manual_seed(2)
+    cfg = _config(vision=True)
+    moe = MoE(0, cfg)
+    x = torch.randn(40, cfg.dim)
+    image = torch.arange(40) % 2 == 0
+    with torch.no_grad():
+        moe.gate.bias[5] = 100.0  # text tokens all pick expert 5
+        moe.gate.bias_vl[3] = 100.0  # image tokens all pick expert 3
+    weights, indices, scores = moe.gate(x, image)
+    assert (indices[~image, 0] == 5).all() and (indices[image, 0] == 3).all()  # topk is sorted
+    assert not (indices[image] == 5).any(-1).all() and not (indices[~image] == 3).any(-1).all()
+    # weights are the unbiased scores of the chosen experts, renormalized, times route_scale
+    chosen = scores.gather(1, indices)
+    _close(weights, chosen / chosen.sum(-1, keepdim=True) * cfg.route_scale)
+    assert weights.max() < cfg.route_scale  # a 100 bias would have saturated a biased weight
+    # without an image mask every token uses the text bias
+    _, idx_text, _ = moe.gate(x, None)
+    assert (idx_text == 5).any(-1).all()
+
+
+@pytest.mark.parametrize("limit", [10.0, 0.3])
+def test_moe_matches_per_token_dense_reference(limit):
+    torch.manual_seed(3)
+    cfg = _config(vision=True, swiglu_limit=limit)
+    moe = MoE(0, cfg, moe_impl="loop")
+    _randomize_biases(moe)
+    B, T = 2, 12
+    x = torch.randn(B, T, cfg.dim) * 3
+    image = torch.rand(B, T) < 0.3
+    y = moe(x, image_mask=image)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    flat, img = x.reshape(-1, cfg.dim), image.reshape(-1)
+    _, chosen, wref = ref_gate(flat, moe.gate.weight, moe.gate.bias, moe.gate.bias_vl, img, cfg)
+    want = torch.zeros(B * T, cfg.dim, dtype=torch.float64)
+    for t in range(B * T):
+        for i in chosen[t]:
+            want[t] += ref_expert(flat[t:t + 1], moe.experts[i], limit, wref[t][i])[0]
+        want[t] += ref_expert(flat[t:t + 1], moe.shared_experts, limit)[0]
+    _close(y.reshape(B * T, -1), want, rtol=1e-5, atol=1e-5)
+    if limit < 1:  # the clamp must actually have been exercised
+        e = moe.shared_experts
+        assert (flat @ e.w1.weight.T > limit).any() and (flat @ e.w3.weight.T).abs().max() > limit
+
+
+@pytest.mark.skipif(not _grouped_mm_works(torch.device("cpu"), torch.float32),
+                    reason="torch._grouped_mm does not run on CPU fp32 in this torch build")
+def test_grouped_matches_loop_cpu_fp32():
+    torch.manual_seed(4)
+    cfg = _config(vision=True, swiglu_limit=0.5)
+    loop = MoE(0, cfg, moe_impl="loop")
+    grouped = MoE(0, cfg, moe_impl="grouped")
+    _randomize_biases(loop, scale=1.0)  # uneven loads: some experts get few or no tokens
+    grouped.load_state_dict(loop.state_dict())
+    x = torch.randn(3, 10, cfg.dim) * 2
+    image = torch.rand(3, 10) < 0.5
+    xl, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn_like(x)
+    yl, yg = loop(xl, image), grouped(xg, image)
+    _close(yg, yl)
+    ((yl * g).sum() + loop.last_balance_loss).backward()
+    ((yg * g).sum() + grouped.last_balance_loss).backward()
+    _close(xg.grad, xl.grad)
+    for (name, pl), pg in zip(loop.named_parameters(), grouped.parameters()):
+        if pl.grad is None:  # the loop never touches an expert without tokens; grouped gives it zeros
+            assert pg.grad is None or pg.grad.abs().max() == 0, name
+        else:
+            _close(pg.grad, pl.grad)
+
+
+@pytest.mark.gpu
+def test_grouped_matches_loop_cuda_bf16():
+    torch.manual_seed(5)
+    dev = torch.device("cuda")
+    cfg = _config(vision=True, dim=256, moe_inter_dim=128, n_routed_experts=16, n_activated_experts=4)
+    assert _grouped_mm_works(dev, torch.bfloat16)
+    loop = MoE(0, cfg, moe_impl="loop").to(dev, torch.bfloat16)
+    auto = MoE(0, cfg, moe_impl="auto").to(dev, torch.bfloat16)
+    auto.load_state_dict(loop.state_dict())
+    assert auto.gate.bias.dtype == torch.float32
+    x = torch.randn(4, 256, cfg.dim, device=dev, dtype=torch.bfloat16)
+    image = torch.rand(4, 256, device=dev) < 0.3
+    xl, xa = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn_like(x)
+    yl, ya = loop(xl, image), auto(xa, image)
+    _close(ya, yl, rtol=1e-2, atol=1e-2)
+    (yl.float() * g).sum().backward()
+    (ya.float() * g).sum().backward()
+    _close(xa.grad, xl.grad, rtol=2e-2, atol=2e-2)
+    for pl, pa in zip(loop.parameters(), auto.parameters()):
+        if pl.grad is not None:
+            cos = F.cosine_similarity(pl.grad.float().flatten(), pa.grad.float().flatten(), dim=0)
+            assert cos > 0.999
+
+
+def test_gradients_reach_experts_gate_and_shared():
+    torch.manual_seed(6)
+    cfg = _config(vision=True)
+    moe = MoE(0, cfg, moe_impl="loop").train()
+    x = torch.randn(2, 16, cfg.dim, requires_grad=True)
+    y = moe(x, image_mask=torch.rand(2, 16) < 0.5)
+    load = moe.last_load["text"] + moe.last_load["image"]
+    (y * torch.randn_like(y)).sum().backward(retain_graph=True)
+    for i, e in enumerate(moe.experts):
+        for w in (e.w1, e.w2, e.w3):
+            if load[i] > 0:
+                assert w.weight.grad is not None and w.weight.grad.abs().max() > 0, f"expert {i}"
+            else:
+                assert w.weight.grad is None
+    for w in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
+        assert w.weight.grad.abs().max() > 0
+    assert moe.gate.weight.grad.abs().max() > 0  # through the routing weights
+    assert moe.gate.bias.grad is None and moe.gate.bias_vl.grad is None
+    assert not moe.gate.bias.requires_grad and not moe.gate.bias_vl.requires_grad
+    # the balance loss alone reaches the gate weight, and nothing else
+    moe.zero_grad(set_to_none=True)
+    moe.last_balance_loss.backward()
+    assert moe.gate.weight.grad.abs().max() > 0
+    assert all(p.grad is None for n, p in moe.named_parameters() if not n.startswith("gate."))
+
+
+def _skewed_moe(speed_cfg):
+    """Text tokens carry direction u (experts 0, 1 favored); image tokens carry v (experts 2, 3)."""
+    cfg = _config(vision=True, bias_update_speed=speed_cfg)
+    moe = MoE(0, cfg).train()
+    u, v = torch.zeros(cfg.dim), torch.zeros(cfg.dim)
+    u[0], v[1] = 1.0, 1.0
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.05)
+        moe.gate.weight[0:2] += 3 * u
+        moe.gate.weight[2:4] += 3 * v
+    return cfg, moe, u, v
+
+
+def _batch(cfg, u, v, image_frac):
+    x = torch.randn(4, 32, cfg.dim) * 0.3
+    image = torch.rand(4, 32) < image_frac
+    x = x + torch.where(image[..., None], v, u)
+    return x, image
+
+
+def _imbalance(load):
+    load = load.float()
+    return (load.max() / load.mean()).item()
+
+
+def test_bias_update_balances_each_modality_separately():
+    torch.manual_seed(7)
+    cfg, moe, u, v = _skewed_moe(0.05)
+    with torch.no_grad():
+        moe(*_batch(cfg, u, v, 0.5))
+    start = {m: _imbalance(moe.last_load[m]) for m in ("text", "image")}
+    assert start["text"] > 3 and start["image"] > 3
+    for _ in range(50):
+        with torch.no_grad():
+            moe(*_batch(cfg, u, v, 0.5))
+        update_moe_biases(moe)
+    with torch.no_grad():
+        moe(*_batch(cfg, u, v, 0.5))
+    end = {m: _imbalance(moe.last_load[m]) for m in ("text", "image")}
+    for m in ("text", "image"):
+        assert end[m] < 2.0 and end[m] < 0.5 * start[m], (m, start, end)
+    # the two biases learned different corrections: text pushes 0/1 down, image pushes 2/3 down
+    assert moe.gate.bias[:2].max() < moe.gate.bias[2:].min()
+    assert moe.gate.bias_vl[2:4].max() < torch.cat([moe.gate.bias_vl[:2], moe.gate.bias_vl[4:]]).min()
+
+
+@pytest.mark.parametrize("modality", ["text", "image"])
+def test_bias_update_touches_only_its_modality(modality):
+    torch.manual_seed(8)
+    cfg, moe, u, v = _skewed_moe(0.05)
+    for _ in range(5):
+        with torch.no_grad():
+            moe(*_batch(cfg, u, v, 1.0 if modality == "image" else 0.0))
+        moe.update_bias()
+    moved, still = (moe.gate.bias, moe.gate.bias_vl)
+    if modality == "image":
+        moved, still = still, moved
+    assert moved.abs().max() > 0 and still.abs().max() == 0
+    assert moved.dtype == torch.float32
+    # an explicit load and speed are used as given: sign(mean - load) * speed
+    before = moe.gate.bias.clone()
+    load = {"text": torch.tensor([9, 1, 1, 1, 0, 0, 0, 4]), "image": torch.zeros(8, dtype=torch.long)}
+    moe.update_bias(load, speed=0.25)
+    _close(moe.gate.bias - before, 0.25 * torch.tensor([-1.0, 1, 1, 1, 1, 1, 1, -1]))
+
+
+def test_balance_loss_matches_hand_computation():
+    torch.manual_seed(9)
+    cfg = _config(n_activated_experts=3)
+    moe = MoE(0, cfg).train()
+    _randomize_biases(moe)
+    B, T, E, k = 3, 10, cfg.n_routed_experts, 3
+    x = torch.randn(B, T, cfg.dim)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 6:] = False
+    mask[2, :] = False  # an all-padding sequence does not count
+    moe(x, token_mask=mask)
+    _, indices, scores = moe.gate(x.reshape(B * T, -1))
+    indices, scores = indices.view(B, T, k), scores.view(B, T, E).double()
+    per_seq = []
+    for b in range(2):
+        toks = [t for t in range(T) if mask[b, t]]
+        f = [E / (k * len(toks)) * sum(i in indices[b, t].tolist() for t in toks) for i in range(E)]
+        p = [sum((scores[b, t, i] / scores[b, t].sum()).item() for t in toks) / len(toks) for i in range(E)]
+        per_seq.append(sum(fi * pi for fi, pi in zip(f, p)))
+    _close(moe.last_balance_loss, torch.tensor(sum(per_seq) / 2))
+
+
+def test_balance_loss_is_one_for_a_uniform_router_and_larger_when_skewed():
+    torch.manual_seed(10)
+    cfg = _config()  # 8 experts, top-2
+    moe = MoE(0, cfg).train()
+    with torch.no_grad():
+        moe.gate.weight.zero_()
+        moe.gate.weight[:, :8] = 4 * torch.eye(8)
+    pairs = torch.arange(16) % 4  # token t prefers experts (2p, 2p+1): every expert equally often
+    x = torch.zeros(1, 16, cfg.dim)
+    x[0, torch.arange(16), 2 * pairs] = 1
+    x[0, torch.arange(16), 2 * pairs + 1] = 1
+    moe(x)
+    assert (moe.last_load["text"] == 4).all()
+    _close(moe.last_balance_loss, torch.tensor(1.0))
+    x_skew = torch.zeros(1, 16, cfg.dim)
+    x_skew[0, :, :2] = 1  # every token prefers experts 0, 1
+    moe(x_skew)
+    assert moe.last_balance_loss > 1.5  # 4 · (P_0 + P_1) ≈ 1.78
+
+
+def test_padding_excluded_from_loads_and_loss():
+    torch.manual_seed(11)
+    cfg = _config(vision=True)
+    moe = MoE(0, cfg).train()
+    _randomize_biases(moe)
+    B, T, k = 2, 16, cfg.n_activated_experts
+    x = torch.randn(B, T, cfg.dim)
+    image = torch.rand(B, T) < 0.4
+    mask = torch.rand(B, T) < 0.6
+    moe(x, image, mask)
+    load, loss = moe.last_load, moe.last_balance_loss
+    _, indices, _ = moe.gate(x.reshape(B * T, -1), image.reshape(-1))
+    m, img = mask.reshape(-1), image.reshape(-1)
+    for name, sel in (("text", m & ~img), ("image", m & img)):
+        want = torch.bincount(indices[sel].reshape(-1), minlength=cfg.n_routed_experts)
+        assert torch.equal(load[name], want), name
+        assert load[name].dtype == torch.long
+    assert int(load["text"].sum() + load["image"].sum()) == k * int(m.sum())
+    # changing what the padding holds changes neither the loads nor the loss
+    x2 = torch.where(mask[..., None], x, torch.randn_like(x) * 5)
+    moe(x2, image, mask)
+    assert all(torch.equal(load[n], moe.last_load[n]) for n in load)
+    _close(moe.last_balance_loss, loss)
+
+
+def test_names_dtypes_and_eval_mode():
+    cfg = _config(vision=True)
+    moe = MoE(3, cfg)
+    keys = set(moe.state_dict())
+    E = cfg.n_routed_experts
+    assert {"gate.weight", "gate.bias", "gate.bias_vl", "shared_experts.w1.weight"} <= keys
+    assert {f"experts.{E - 1}.w{j}.weight" for j in (1, 2, 3)} <= keys
+    assert moe.gate.weight.shape == (E, cfg.dim)
+    assert moe.experts[0].w1.weight.shape == (cfg.moe_inter_dim, cfg.dim)
+    assert "gate.bias_vl" not in MoE(0, _config()).state_dict()
+    assert (moe.gate.bias == 0).all() and (moe.gate.bias_vl == 0).all()
+    moe = moe.to(torch.bfloat16)
+    assert moe.gate.bias.dtype == moe.gate.bias_vl.dtype == torch.float32
+    assert moe.gate.weight.dtype == torch.bfloat16
+    y = moe.eval()(torch.randn(1, 4, cfg.dim, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    assert moe.last_load is None and moe.last_balance_loss is None
+    assert [name for name, _ in moe_modules(torch.nn.ModuleDict({"a": moe}))] == ["a"]
+    assert math.isclose(moe.bias_update_speed, cfg.bias_update_speed)
