@@ -171,6 +171,25 @@ def attend(q: Tensor, window_kv: Tensor, window_mask: Tensor, entries: Tensor | 
     return o.to(q.dtype)
 
 
+def attend_gathered(q: Tensor, window_kv: Tensor, window_mask: Tensor, entries: Tensor | None,
+                    entry_valid: Tensor | None, sink: Tensor, scale: float) -> Tensor:
+    """`attend` with per-query entry lists: entries (B, Tq, K, D) gathered from the cache,
+    entry_valid (B, Tq, K) (False for index −1). Same math, K instead of all N entries."""
+    logits = [torch.einsum("bthd,bsd->bhts", q.float(), window_kv.float()) * scale]
+    masks = [window_mask]
+    if entries is not None and entries.size(2):
+        logits.append(torch.einsum("bthd,btkd->bhtk", q.float(), entries.float()) * scale)
+        masks.append(entry_valid)
+    scores = torch.cat(logits, dim=-1).masked_fill(~torch.cat(masks, dim=-1).unsqueeze(1), float("-inf"))
+    sink_col = sink.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1]
+    S = window_kv.size(1)
+    o = torch.einsum("bhts,bsd->bthd", probs[..., :S], window_kv.float())
+    if len(logits) > 1:
+        o = o + torch.einsum("bhtk,btkd->bthd", probs[..., S:], entries.float())
+    return o.to(q.dtype)
+
+
 def indexer_kl(q: Tensor, entries: Tensor, allowed: Tensor, index_scores: Tensor, scale: float) -> Tensor:
     """KL(main attention over allowed entries ‖ softmax(index scores)), mean over queries with any entry.
 
@@ -226,17 +245,20 @@ class Attention(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         return qr, apply_rope(q, cos, sin)
 
-    def window_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def window_kv(self, x: Tensor, cos: Tensor, sin: Tensor, quant: bool | None = None) -> Tensor:
         """This layer's own window KV: kv_norm(wkv(x)), RoPE, FP8 (when quantizing)."""
-        return _maybe(fake_quant_window_fp8, apply_rope(self.kv_norm(self.wkv(x)), cos, sin), self.qat)
+        quant = self.qat if quant is None else quant
+        return _maybe(fake_quant_window_fp8, apply_rope(self.kv_norm(self.wkv(x)), cos, sin), quant)
 
-    def entries(self, latent: Tensor, first_positions: Tensor) -> tuple[Tensor, Tensor | None]:
+    def entries(self, latent: Tensor, first_positions: Tensor, quant: bool | None = None
+                ) -> tuple[Tensor, Tensor | None]:
         """Pre-RoPE latents (B, N, D) → (entries rotated at their first position + FP4, index keys)."""
+        quant = self.qat if quant is None else quant
         cos, sin = self.angles(first_positions)
         index_k = None
         if self.plan.owns_indexer and self.indexer.owns_k:
-            index_k = self.indexer.keys(latent.detach(), cos, sin, self.qat)
-        return _maybe(fake_quant_kv_fp4, apply_rope(latent, cos, sin), self.qat), index_k
+            index_k = self.indexer.keys(latent.detach(), cos, sin, quant)
+        return _maybe(fake_quant_kv_fp4, apply_rope(latent, cos, sin), quant), index_k
 
     def output(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Inverse RoPE on the output's rotary tail, then the grouped projection."""

@@ -17,7 +17,9 @@ documents never interact. Parameter names equal the official checkpoint's.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -59,12 +61,20 @@ class Block(nn.Module):
         fn, scale, base = (getattr(self, f"hc_{which}_{p}") for p in ("fn", "scale", "base"))
         return hc_mixes(h, fn, scale, base, **self._hc)
 
-    def forward(self, h: Tensor, pre_mix: Tensor, ctx: ForwardContext, image_mask: Tensor | None = None,
-                token_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """h: (B, T, n, d) streams; pre_mix: (B, T, n) made by the previous sublayer."""
+    def attn_input(self, h: Tensor, pre_mix: Tensor) -> Tensor:
+        """The attention sublayer's normalized input (what a kv source compresses)."""
+        if not self.single_pass:
+            pre_mix = self.mixes(h, "attn")[0]
+        return self.attn_norm(hc_pre(h, pre_mix))
+
+    def forward(self, h: Tensor, pre_mix: Tensor, attention: Callable[[Tensor], Tensor],
+                image_mask: Tensor | None = None, token_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """h: (B, T, n, d) streams; pre_mix: (B, T, n) made by the previous sublayer; `attention`
+        maps the normalized input to the attention output (the model's full-sequence attention or
+        the engine's cached one)."""
         attn_pre, attn_post, attn_comb = self.mixes(h, "attn")
         x = self.attn_norm(hc_pre(h, pre_mix if self.single_pass else attn_pre))
-        h = hc_post(self.attn(x, ctx), h, attn_post, attn_comb)
+        h = hc_post(attention(x), h, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = self.mixes(h, "ffn")
         x = self.ffn_norm(hc_pre(h, attn_pre if self.single_pass else ffn_pre))
         h = hc_post(self.ffn(x, image_mask=image_mask, token_mask=token_mask), h, ffn_post, ffn_comb)
@@ -113,7 +123,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             if layer.engram is not None:
                 h = layer.engram(h, hash_ids[:, :, self.engram_index[layer.layer_id]], engram_mask)
-            h, pre_mix = layer(h, pre_mix, ctx, image_mask=image_mask, token_mask=token_mask)
+            h, pre_mix = layer(h, pre_mix, partial(layer.attn, ctx=ctx), image_mask=image_mask, token_mask=token_mask)
         return hc_pre(h, pre_mix)
 
     def head_logits(self, hidden: Tensor) -> Tensor:

@@ -1,0 +1,1 @@
+"""Inference engine: packed caches, encoder-only prefill with bounded replay, batched decode."""
