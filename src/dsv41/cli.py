@@ -31,6 +31,8 @@ class Subcommand(Protocol):
 SUBCOMMANDS: dict[str, str] = {
     "plan": "dsv41.cli:PLAN",
     "accounting": "dsv41.cli:ACCOUNTING",
+    "train": "dsv41.train.cli",
+    "generate": "dsv41.engine.cli",
 }
 
 

@@ -133,7 +133,7 @@ class Runner:
             if m == 1:
                 latent, group_start = comp.norm(comp.wkv(xb)), positions[b]
             else:
-                kv, score = comp.wkv(xb.float()), comp.wgate(xb.float())  # (T, D) fp32
+                kv, score = comp.project(xb)  # (T, D) fp32
                 if layer_id in s.pending:
                     kv_p, score_p = s.pending.pop(layer_id)
                     kv, score = torch.cat((kv_p, kv)), torch.cat((score_p, score))

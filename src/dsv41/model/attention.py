@@ -24,6 +24,7 @@ attention kernel.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv41.config import ModelConfig
@@ -51,6 +52,11 @@ class Compressor(nn.Module):
             self.wgate = nn.Linear(config.dim, config.head_dim, bias=False)
         self.norm = RMSNorm(config.head_dim, config.norm_eps)
 
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """fp32 projections and gate scores (B, T, D) — fp32 even in a bf16 model, as the reference."""
+        xf = x.float()
+        return F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())
+
     def pool(self, kv: Tensor, score: Tensor) -> Tensor:
         """(..., m, D) projections and gate scores of one group → (..., D) fp32 pooled latent."""
         return (kv * score.softmax(dim=-2)).sum(dim=-2)
@@ -62,8 +68,7 @@ class Compressor(nn.Module):
             kv = self.wkv(x)
             idx = group_end.clamp(max=T - 1).unsqueeze(-1).expand(-1, -1, self.head_dim)
             return self.norm(kv.gather(1, idx))
-        xf = x.float()  # pooling runs in fp32, as the reference does
-        kv, score = self.wkv(xf), self.wgate(xf)  # (B, T, D)
+        kv, score = self.project(x)  # pooling runs in fp32, as the reference does
         offsets = torch.arange(-(self.ratio - 1), 1, device=x.device)  # group members, oldest first
         idx = (group_end.unsqueeze(-1) + offsets).clamp(0, T - 1)  # (B, N, m)
         flat = idx.flatten(1).unsqueeze(-1).expand(-1, -1, self.head_dim)

@@ -127,9 +127,10 @@ def _experts_grouped(experts: nn.ModuleList, xs: Tensor, ws: Tensor, counts: Ten
     offs = counts.cumsum(0).to(torch.int32)  # (E,) end row of each expert's segment
     limit = experts[0].swiglu_limit
     # Linear weights are (out, in); grouped_mm wants (E, in, out): a transposed (column-major) view.
-    w1 = torch.stack([e.w1.weight for e in experts]).transpose(1, 2)  # (E, dim, inter)
-    w3 = torch.stack([e.w3.weight for e in experts]).transpose(1, 2)  # (E, dim, inter)
-    w2 = torch.stack([e.w2.weight for e in experts]).transpose(1, 2)  # (E, inter, dim)
+    # grouped_mm is not autocast-aware: cast the stacked weights to the activations' dtype
+    w1 = torch.stack([e.w1.weight for e in experts]).transpose(1, 2).to(xs.dtype)  # (E, dim, inter)
+    w3 = torch.stack([e.w3.weight for e in experts]).transpose(1, 2).to(xs.dtype)  # (E, dim, inter)
+    w2 = torch.stack([e.w2.weight for e in experts]).transpose(1, 2).to(xs.dtype)  # (E, inter, dim)
     h = _swiglu(torch._grouped_mm(xs, w1, offs=offs), torch._grouped_mm(xs, w3, offs=offs), limit, ws)
     return torch._grouped_mm(h.to(xs.dtype), w2, offs=offs)
 

@@ -1,0 +1,116 @@
+"""`dsv41 generate`: stream a completion for one prompt and print a one-line summary.
+
+    dsv41 generate --checkpoint DIR --prompt "Once upon a time" --max-tokens 64
+    dsv41 generate --preset tiny --random-init --prompt "hello"
+
+The summary line (stderr) reports prompt tokens, prefill milliseconds, decode tokens per second and
+the measured global KV bytes per token of the sequence's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dsv41.config import ConfigError
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "generate", help="generate text from a prompt (encoder-only prefill, packed FP4/FP8 caches)",
+        description="Generate a continuation of --prompt with the inference engine and stream it to stdout.\n"
+                    "The last line (stderr) summarizes prompt tokens, prefill time, decode speed and KV bytes.",
+        epilog="examples:\n  dsv41 generate --checkpoint models/small --prompt 'It is a truth' --max-tokens 40\n"
+               "  dsv41 generate --preset tiny --random-init --prompt hello --temperature 0.8 --seed 1",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", type=Path, metavar="DIR", help="checkpoint directory (config.json + safetensors)")
+    src.add_argument("--preset", metavar="NAME", help="build a preset model (needs --random-init)")
+    p.add_argument("--random-init", action="store_true", help="with --preset: random weights, no checkpoint")
+    p.add_argument("--tokenizer", type=Path, metavar="PATH",
+                   help="tokenizer.json (default: the checkpoint's, else the shipped one)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
+    p.add_argument("--exact-prefill", action="store_true", help="run every layer over every prompt token")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    return p
+
+
+def load_model_and_tokenizer(args: argparse.Namespace):
+    """(model, tokenizer) from --checkpoint or --preset --random-init; raises ConfigError on misuse."""
+    import torch
+
+    from dsv41.train.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.checkpoint is not None:
+        from dsv41.checkpoint import load_checkpoint
+
+        model = load_checkpoint(args.checkpoint, device=device)
+        tok_path = args.tokenizer or next((p for p in (args.checkpoint / "tokenizer.json",) if p.exists()),
+                                          DEFAULT_TOKENIZER)
+    elif args.preset is not None and args.random_init:
+        from dsv41 import load_config
+        from dsv41.model.transformer import Transformer
+
+        model = Transformer(load_config(args.preset)).init_weights(seed=0).to(device)
+        tok_path = args.tokenizer or DEFAULT_TOKENIZER
+    else:
+        raise ConfigError("give --checkpoint DIR, or --preset NAME with --random-init")
+    if not Path(tok_path).exists():
+        raise ConfigError(f"tokenizer file '{tok_path}' not found")
+    tok = load_tokenizer(tok_path)
+    if tok.vocab_size > model.config.vocab_size:
+        raise ConfigError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+                          f"{model.config.vocab_size}")
+    if model.hasher is not None:
+        from dsv41.train.tokenizer import build_compressed_token_map
+
+        lookup, size = build_compressed_token_map(tok)
+        if not model.config.engram_compressed_vocab_size or model.config.engram_compressed_vocab_size == size:
+            model.set_engram_token_map(lookup, size)
+    return model.eval(), tok
+
+
+def run(args: argparse.Namespace) -> int:
+    from dsv41.engine.engine import Engine
+    from dsv41.engine.sampling import SamplingParams
+
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, seed=args.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model, tok = load_model_and_tokenizer(args)
+    prompt = tok.encode(args.prompt, add_bos=True)
+    if len(prompt) > model.config.max_seq_len:
+        raise ConfigError(f"prompt has {len(prompt)} tokens, more than the model's context {model.config.max_seq_len}")
+    params.stop_token_ids = [tok.eos_id]
+    engine = Engine(model, prefill_chunk=args.prefill_chunk)
+    req = engine.add_request(prompt, params, exact_prefill=args.exact_prefill)
+    shown = ""
+    t0 = time.perf_counter()
+    while not req.finished:
+        engine.step()
+        text = tok.decode(req.output, skip_special=True)
+        if not text.endswith("\ufffd"):  # wait for a multi-byte character to complete
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write("\n")
+    elapsed = time.perf_counter() - t0
+    decode_tokens = max(len(req.output) - 1, 0)
+    tps = decode_tokens / req.decode_s if req.decode_s > 0 else float("nan")
+    print(f"[prompt {len(prompt)} tok | prefill {req.prefill_ms:.1f} ms | decode {tps:.1f} tok/s | "
+          f"KV {req.cache.bytes_per_token():g} B/token | {len(req.output)} tok in {elapsed:.2f} s]", file=sys.stderr)
+    return 0

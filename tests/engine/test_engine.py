@@ -1,0 +1,181 @@
+"""Engine acceptance: cached prefill/decode = the model's full forward; packed storage is exact;
+batching changes nothing; encoder-only prefill = exact prefill for short prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41 import load_config
+from dsv41.engine.cache import SequenceCache
+from dsv41.engine.engine import Engine
+from dsv41.engine.prefill import prefill
+from dsv41.engine.runner import Runner
+from dsv41.model.state import ForwardContext
+from dsv41.model.transformer import Transformer
+from dsv41.quant.fp4 import fake_quant_index_fp4, fake_quant_kv_fp4
+from dsv41.quant.fp8 import fake_quant_window_fp8
+
+
+def make_model(seed: int, **changes) -> Transformer:
+    config = load_config("tiny").replace(qat=True, **changes)  # the model sees the cache formats
+    model = Transformer(config).init_weights(seed=seed).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # move mHC and sinks off their near-identity init so they matter
+        for layer in model.layers:
+            for which in ("attn", "ffn"):
+                getattr(layer, f"hc_{which}_fn").normal_(0, 0.05, generator=g)
+                getattr(layer, f"hc_{which}_base").normal_(0, 0.5, generator=g)
+            layer.attn.attn_sink.normal_(0, 1.0, generator=g)
+    return model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("prompt_len", [9, 32, 150])  # odd < window, = window, ≫ window (W = 32)
+def test_exact_prefill_and_20_decode_steps_equal_full_forward(prompt_len):
+    torch.manual_seed(prompt_len)
+    model = make_model(prompt_len)
+    runner = Runner(model)
+    tokens = torch.randint(3, model.config.vocab_size, (1, prompt_len + 20))
+    with torch.no_grad():
+        reference = model(tokens)[0]  # the training forward over the full sequence
+    seq = SequenceCache(model.config)
+    logits = prefill(runner, seq, tokens[0, :prompt_len].tolist(), chunk=16, exact=True)
+    assert rel_err(logits, reference[prompt_len - 1]) <= 1e-4
+    for k in range(20):
+        t = prompt_len + k
+        h, pre_mix = runner.forward([seq], tokens[:, t:t + 1], torch.tensor([t]), range(model.config.n_layers))
+        seq.tokens.append(int(tokens[0, t]))
+        assert rel_err(runner.logits(h, pre_mix)[0], reference[t]) <= 1e-4, f"decode step {k}"
+
+
+def test_batched_decode_of_three_lengths_equals_full_forward():
+    torch.manual_seed(3)
+    model = make_model(3)
+    runner = Runner(model)
+    lengths = [7, 40, 101]
+    seqs, refs, toks = [], [], []
+    for n in lengths:
+        t = torch.randint(3, model.config.vocab_size, (1, n + 20))
+        with torch.no_grad():
+            refs.append(model(t)[0])
+        seq = SequenceCache(model.config)
+        prefill(runner, seq, t[0, :n].tolist(), chunk=32, exact=True)
+        seqs.append(seq)
+        toks.append(t)
+    for k in range(20):
+        batch = torch.stack([t[0, n + k] for t, n in zip(toks, lengths)]).view(-1, 1)
+        start = torch.tensor([n + k for n in lengths])
+        h, pre_mix = runner.forward(seqs, batch, start, range(model.config.n_layers))
+        for s, tok in zip(seqs, batch[:, 0].tolist()):
+            s.tokens.append(tok)
+        logits = runner.logits(h, pre_mix)
+        for b, n in enumerate(lengths):
+            assert rel_err(logits[b], refs[b][n + k]) <= 1e-4, f"seq {b} step {k}"
+
+
+def test_encoder_only_prefill_equals_exact_when_prompt_fits_the_window():
+    torch.manual_seed(5)
+    model = make_model(5)
+    runner = Runner(model)
+    W = model.config.window_size
+    for n in (5, W - 1, W):
+        ids = torch.randint(3, model.config.vocab_size, (n,)).tolist()
+        exact = prefill(runner, SequenceCache(model.config), ids, chunk=8, exact=True)
+        fast = prefill(runner, SequenceCache(model.config), ids, chunk=8, exact=False)
+        assert rel_err(fast, exact) <= 1e-5, n
+    # longer prompts differ (approximate by design) but stay close
+    ids = torch.randint(3, model.config.vocab_size, (3 * W,)).tolist()
+    exact = prefill(runner, SequenceCache(model.config), ids, chunk=8, exact=True)
+    fast = prefill(runner, SequenceCache(model.config), ids, chunk=8, exact=False)
+    assert not torch.allclose(fast, exact)
+    kl = torch.sum(exact.softmax(-1) * (exact.log_softmax(-1) - fast.log_softmax(-1))).item()
+    assert 0 < kl < 1.0
+
+
+def test_encoder_only_prefill_runs_decoder_on_window_tokens_only():
+    model = make_model(6)
+    runner = Runner(model)
+    calls = []
+    original = runner.forward
+
+    def spy(seqs, tokens, start, layers, *args, **kwargs):
+        calls.append((layers, tokens.size(1)))
+        return original(seqs, tokens, start, layers, *args, **kwargs)
+
+    runner.forward = spy
+    ids = torch.randint(3, model.config.vocab_size, (100,)).tolist()
+    seq = SequenceCache(model.config)
+    prefill(runner, seq, ids, chunk=40, exact=False)
+    enc, W = model.config.encoder_layers, model.config.window_size
+    encoder_tokens = sum(n for layers, n in calls if layers == range(enc))
+    decoder_tokens = sum(n for layers, n in calls if layers.start == enc)
+    assert encoder_tokens == 100 and decoder_tokens == W
+    # decoder global KV exists for every prompt token; decoder windows hold only the replayed tokens
+    assert seq.entry_stores[enc].n_entries == 100
+    assert int((seq.windows[enc].positions >= 0).sum()) == W
+    assert int(seq.windows[enc].positions.min()) == 100 - W
+
+
+def test_packed_storage_dequantizes_bit_exactly_to_the_models_fake_quant():
+    torch.manual_seed(7)
+    model = make_model(7)
+    runner = Runner(model)
+    tokens = torch.randint(3, model.config.vocab_size, (1, 61))
+    seq = SequenceCache(model.config)
+    prefill(runner, seq, tokens[0].tolist(), chunk=16, exact=True)
+    ctx = ForwardContext.build(tokens, trace=[])
+    with torch.no_grad():
+        model(tokens, ctx=ctx)
+    for rec in ctx.trace:
+        if rec["mode"] != "full":
+            continue
+        layer = rec["layer"]
+        store = seq.entry_stores[layer]
+        assert torch.equal(store.entries(), rec["kv"][0, :store.n_entries]), f"entries of layer {layer}"
+    # and the quantizers themselves: stored → dequantized equals fake-quant on fresh data
+    x = torch.randn(13, model.config.head_dim) * 3
+    store = seq.entry_stores[2].__class__(2, model.config.head_dim, model.config.index_head_dim, torch.device("cpu"))
+    store.append(x, x[:, :model.config.index_head_dim])
+    assert torch.equal(store.entries(), fake_quant_kv_fp4(x))
+    assert torch.equal(store.index_keys(), fake_quant_index_fp4(x[:, :model.config.index_head_dim]))
+    ring = seq.windows[0]
+    ring.write(x[:5], torch.arange(200, 205))
+    values, positions = ring.read()
+    slots = torch.arange(200, 205) % ring.window
+    assert torch.equal(values[slots], fake_quant_window_fp8(x[:5]))
+    assert torch.equal(positions[slots], torch.arange(200, 205))
+
+
+def test_batch_gives_the_same_greedy_tokens_as_each_sequence_alone():
+    torch.manual_seed(8)
+    model = make_model(8)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,)).tolist() for n in (5, 44, 77)]
+    batched = Engine(model, prefill_chunk=32).generate(prompts, max_tokens=12)
+    alone = [Engine(model, prefill_chunk=32).generate([p], max_tokens=12)[0] for p in prompts]
+    assert batched == alone
+    assert all(len(out) == 12 for out in batched)
+
+
+def test_sampling_is_reproducible_with_a_seed_and_stop_ids_end_requests():
+    model = make_model(9)
+    engine = Engine(model)
+    prompt = torch.randint(3, model.config.vocab_size, (20,)).tolist()
+    a = engine.generate([prompt], max_tokens=10, temperature=1.0, seed=1234)
+    b = engine.generate([prompt], max_tokens=10, temperature=1.0, seed=1234)
+    assert a == b
+    greedy = engine.generate([prompt], max_tokens=10)[0]
+    stopped = engine.generate([prompt], max_tokens=10, stop_token_ids=[greedy[3]])[0]
+    assert stopped == greedy[:greedy.index(greedy[3])]
+
+
+def test_bytes_per_token_is_measured_from_the_stored_rows():
+    v41 = load_config("v41-flash")
+    cache = SequenceCache(v41, "cpu")  # pages are allocated lazily: cheap even at full size
+    assert cache.bytes_per_token() == 890
+    tiny = SequenceCache(load_config("tiny"))
+    # tiny: a 32-dim latent → 16 + 2 B, 32-dim index key → 16 + 1 B; sources at m=2 and m=1
+    assert tiny.bytes_per_token() == (18 + 17) / 2 + (18 + 17)
