@@ -1,0 +1,1 @@
+"""Training: tokenizer, corpus and packing (data), trainer, checkpoints (SPEC §7)."""
