@@ -171,6 +171,7 @@ class SequenceCache:
         # compressor partial groups of m > 1 sources: fp32 projections / gate scores, oldest first
         self.pending: dict[int, tuple[Tensor, Tensor]] = {}
         self.tokens: list[int] = []  # every token id the caches cover (prompt + generated)
+        self.persisted: tuple[int, bytes | None] = (0, None)  # prefix units stored: (end, key of the last)
 
     @property
     def n_tokens(self) -> int:

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.prefill import prefill
+from dsv41.engine.prefix import PrefixCache
 from dsv41.engine.runner import Runner
 from dsv41.engine.sampling import SamplingParams, make_generator, sample
 from dsv41.model.transformer import Transformer
@@ -36,6 +37,8 @@ class Request:
     next_token: int | None = None  # sampled, not yet run through the model
     prefill_ms: float = 0.0
     decode_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose state came from the prefix cache
+    replayed_tokens: int = 0  # cached tokens run through the encoder again (window rebuild)
 
 
 @dataclass
@@ -47,12 +50,13 @@ class StepOutput:
 
 class Engine:
     def __init__(self, model: Transformer, *, prefill_chunk: int = 2048, max_batch: int = 64,
-                 exact_prefill: bool = False):
+                 exact_prefill: bool = False, prefix_cache: PrefixCache | None = None):
         self.model = model.eval()
         self.config = model.config
         self.device = next(model.parameters()).device
         self.runner = Runner(model)
         self.prefill_chunk, self.max_batch, self.exact_prefill = prefill_chunk, max_batch, exact_prefill
+        self.prefix_cache = prefix_cache
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -83,8 +87,7 @@ class Engine:
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting.pop(0)
             t0 = time.perf_counter()
-            req.cache = SequenceCache(self.config, self.device)
-            logits = prefill(self.runner, req.cache, req.prompt, chunk=self.prefill_chunk, exact=req.exact_prefill)
+            logits = self._prefill(req)
             req.prefill_ms = (time.perf_counter() - t0) * 1e3
             outputs.append(self._emit(req, logits.unsqueeze(0)))
             if not req.finished:
@@ -98,6 +101,29 @@ class Engine:
                 outputs.append(self._emit(req, logits[b:b + 1]))
         self.running = [r for r in self.running if not r.finished]
         return outputs
+
+    def _prefill(self, req: Request) -> Tensor:
+        """Prefill one request, resuming from the prefix cache when its prompt extends a stored prefix."""
+        req.cache = seq = SequenceCache(self.config, self.device)
+        use_cache = self.prefix_cache is not None and not req.exact_prefill
+        resume = self.prefix_cache.resume(seq, req.prompt) if use_cache else None
+        if resume is None:
+            logits = prefill(self.runner, seq, req.prompt, chunk=self.prefill_chunk, exact=req.exact_prefill)
+        else:
+            req.cached_tokens, req.replayed_tokens = resume.cached_tokens, resume.encoder_replay
+            logits = prefill(self.runner, seq, req.prompt[resume.cached_tokens:], chunk=self.prefill_chunk,
+                             encoder_replay=resume.encoder_replay, decoder_windows_valid=resume.exact)
+        if use_cache:
+            self.prefix_cache.save(seq, ends=[len(req.prompt)])
+        return logits
+
+    def _finish(self, req: Request) -> None:
+        """Output end: persist the conversation's units and its window snapshot."""
+        if self.prefix_cache is not None and not req.exact_prefill and req.cache is not None:
+            self.prefix_cache.save(req.cache, ends=[req.cache.n_tokens])
+
+    def metrics(self) -> dict:
+        return self.prefix_cache.metrics() if self.prefix_cache is not None else {}
 
     def decode(self, reqs: list[Request]) -> Tensor:
         """Run each request's pending token through all layers at once: logits (B, vocab)."""
@@ -113,11 +139,13 @@ class Engine:
         token = int(sample(logits, [req.params], [req.generator])[0])
         if token in req.params.stop_token_ids:
             req.finished, req.finish_reason = True, "stop"
+            self._finish(req)
             return StepOutput(req, None, True)
         req.output.append(token)
         req.next_token = token
         if len(req.output) >= req.params.max_tokens:
             req.finished, req.finish_reason = True, "length"
+            self._finish(req)
         return StepOutput(req, token, req.finished)
 
     # ------------------------------------------------------------------ simple API
