@@ -1,0 +1,159 @@
+"""Sampling: per-request parameters over a batch of next-token logits, reproducible per request.
+
+Each row of a (B, V) logits batch follows its own `SamplingParams`, so greedy and sampled requests
+share a step. A sampled row goes: logits / temperature → top-k (the k largest; ties keep the lower
+ids) → top-p (nucleus of the renormalized top-k distribution: the smallest prefix, in descending
+probability, whose mass reaches top_p — never empty) → one uniform draw from the row's own
+`torch.Generator`, inverted through the kept tokens' cumulative distribution. Every step consumes
+exactly one number from a sampled row's generator and the math never mixes rows, so a seeded
+request's tokens do not depend on what else is in the batch or where its row sits. Greedy
+(temperature 0) is argmax, ties to the lowest id, and draws nothing.
+
+Finishing (`finish_reason`, `StopChecker`): "stop" when the sampled token is one of the request's
+`stop_token_ids` — that token is not shown to the user but is counted as generated (it cost a
+decode step; it counts toward `max_tokens` and usage) — and "length" when `max_tokens` tokens
+have been generated. A stop id reached on the last allowed step reports "stop".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax); > 0 divides the logits
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    max_tokens: int = 16  # generated tokens (a final stop token included) before "length"
+    stop_token_ids: list[int] = field(default_factory=list)  # any of these ends the request ("stop")
+    seed: int | None = None  # seeds the request's own generator; None = nondeterministic
+
+    def __post_init__(self) -> None:
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            return float(value)
+
+        def integer(name: str, low: int) -> int:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            return value
+
+        if number("temperature") < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0 < number("top_p") <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        integer("top_k", 0)
+        integer("max_tokens", 1)
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                          and 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    """A request's own generator: seeded from `seed`, or from fresh entropy when None."""
+    generator = torch.Generator(device=torch.device(device))
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def _uniform(generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """One U[0, 1) draw from the row's generator (the global RNG when None), on `device`."""
+    if generator is None:
+        return torch.rand((), device=device)
+    return torch.rand((), generator=generator, device=generator.device).to(device)
+
+
+def sample(logits: Tensor, params_list: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
+    """Next token per row: logits (B, V) → LongTensor (B,), row i by params_list[i] / generators[i]."""
+    if logits.dim() != 2:
+        raise ValueError(f"sample: logits must be (B, V), got shape {tuple(logits.shape)}")
+    B, V = logits.shape
+    if len(params_list) != B or len(generators) != B:
+        raise ValueError(f"sample: {B} rows but {len(params_list)} params and {len(generators)} generators")
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)  # greedy rows keep this (the first maximum = lowest id)
+    rows = [i for i, p in enumerate(params_list) if not p.greedy]
+    if not rows:
+        return tokens
+    device = logits.device
+    picked = [params_list[i] for i in rows]
+    # fp32 temperatures; one below fp32's range would round to 0 and turn 0 / 0 into NaN
+    temperature = torch.tensor([p.temperature for p in picked], device=device).clamp(min=torch.finfo().tiny)
+    top_k = torch.tensor([p.top_k or V for p in picked], device=device)
+    top_p = torch.tensor([p.top_p for p in picked], device=device)
+
+    sorted_logits, sorted_ids = logits[rows].sort(dim=-1, descending=True, stable=True)  # (S, V), ties: lower id
+    # shift by the max before dividing: a tiny temperature then gives -inf, never inf - inf
+    scaled = (sorted_logits - sorted_logits[:, :1]) / temperature[:, None]
+    rank = torch.arange(V, device=device)
+    keep = rank[None, :] < top_k[:, None]  # (S, V) top-k
+    probs = scaled.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # renormalized over top-k
+    mass_before = probs.cumsum(dim=-1) - probs  # exclusive prefix mass
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # nucleus; rank 0 always stays
+    probs = probs * keep
+    cdf = probs.cumsum(dim=-1)  # (S, V), flat after the last kept token
+
+    u = torch.stack([_uniform(generators[i], device) for i in rows])  # (S,)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    position = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first index with cdf > target
+    position = torch.minimum(position, keep.sum(dim=-1) - 1)  # rounding guard: stay inside the kept set
+    tokens[rows] = sorted_ids.gather(1, position.unsqueeze(-1)).squeeze(-1)
+    return tokens
+
+
+def finish_reason(token_id: int, num_generated: int, params: SamplingParams) -> FinishReason | None:
+    """Why a request ends after sampling `token_id` as its `num_generated`-th token (None: it goes on)."""
+    if token_id in params.stop_token_ids:
+        return "stop"
+    if num_generated >= params.max_tokens:
+        return "length"
+    return None
+
+
+class StopChecker:
+    """Per-request finish bookkeeping: feed each sampled token to `update`.
+
+    `output_token_ids` are the tokens shown to the user (a final stop token excluded);
+    `num_generated` counts every sampled token (a final stop token included)."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.num_generated = 0
+        self.output_token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, token_id: int) -> FinishReason | None:
+        """Record one sampled token; returns the finish reason once the request is over."""
+        if self.finished:
+            raise RuntimeError(f"StopChecker.update: the request already finished ({self.finish_reason})")
+        self.num_generated += 1
+        self.finish_reason = finish_reason(token_id, self.num_generated, self.params)
+        if self.finish_reason != "stop":
+            self.output_token_ids.append(token_id)
+        return self.finish_reason

@@ -1,0 +1,151 @@
+"""Sampling: greedy, per-request reproducibility, top-k / top-p distributions, finish reasons."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dsv41.engine.sampling import SamplingParams, StopChecker, finish_reason, make_generator, sample
+
+# chi-square critical values at p = 0.001, by degrees of freedom
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+
+
+def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_with_ties_to_the_lowest_id():
+    logits = _logits(5, 300, 0)
+    logits[1, [7, 200]] = logits[1].max() + 1.0  # a tie: 7 must win
+    logits[3, [250, 40, 90]] = 1e4
+    out = sample(logits, [SamplingParams()] * 5, [None] * 5)
+    expected = logits.argmax(-1)
+    assert out.dtype == torch.long and torch.equal(out, expected)
+    assert out[1] == 7 and out[3] == 40
+
+
+def test_top_k_one_is_greedy_at_any_temperature():
+    logits = _logits(6, 500, 1)
+    logits[2, [11, 3]] = logits[2].max() + 2.0
+    params = [SamplingParams(temperature=t, top_k=1, seed=i) for i, t in enumerate([0.1, 0.5, 1.0, 2.0, 7.0, 50.0])]
+    generators = [make_generator(p.seed) for p in params]
+    for _ in range(5):
+        assert torch.equal(sample(logits, params, generators), logits.argmax(-1))
+
+
+def test_tiny_temperature_is_greedy_and_never_nan():
+    logits = _logits(4, 1000, 2)
+    for temperature in (1e-6, 1e-30, 1e-300):
+        params = [SamplingParams(temperature=temperature, seed=s) for s in range(4)]
+        generators = [make_generator(p.seed) for p in params]
+        for _ in range(3):
+            assert torch.equal(sample(logits, params, generators), logits.argmax(-1))
+
+
+def test_seeded_samples_do_not_depend_on_batch_composition_or_order():
+    vocab, steps = 64, 12
+    params = [SamplingParams(temperature=0.8, top_k=10, seed=11), SamplingParams(),
+              SamplingParams(temperature=1.3, top_p=0.9, seed=12), SamplingParams(temperature=1.0, seed=13),
+              SamplingParams(temperature=0.6, top_k=20, top_p=0.8, seed=14)]
+    step_logits = [_logits(len(params), vocab, 100 + s) for s in range(steps)]
+
+    def run(rows: list[int]) -> dict[int, list[int]]:
+        generators = [make_generator(params[i].seed) for i in rows]
+        out: dict[int, list[int]] = {i: [] for i in rows}
+        for logits in step_logits:
+            tokens = sample(logits[rows], [params[i] for i in rows], generators)
+            for i, t in zip(rows, tokens.tolist()):
+                out[i].append(t)
+        return out
+
+    full = run([0, 1, 2, 3, 4])
+    assert full == run([4, 2, 0, 3, 1])  # another order
+    for i in range(len(params)):
+        assert full[i] == run([i])[i]  # alone
+    assert full == run([0, 1, 2, 3, 4])  # reproducible
+    assert len(set(full[3])) > 1  # it really samples
+    other = SamplingParams(temperature=1.0, seed=99)
+    assert run([3])[3] != [int(sample(lg[3:4], [other], [make_generator(99)])) for lg in step_logits]
+
+
+def _nucleus(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Reference distribution in float64: top-k, renormalize, smallest prefix with mass >= top_p."""
+    z = logits / temperature
+    order = np.argsort(-z, kind="stable")
+    k = top_k or len(z)
+    p = np.exp(z[order[:k]] - z[order[0]])
+    p /= p.sum()
+    n = int(np.searchsorted(np.cumsum(p), top_p - 1e-12)) + 1  # first prefix reaching top_p
+    out = np.zeros(len(z))
+    out[order[:n]] = p[:n] / p[:n].sum()
+    return out
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.9, 0, 0.75), (1.4, 5, 0.85), (0.7, 4, 1.0), (1.0, 0, 1.0)])
+def test_sampled_frequencies_match_the_truncated_distribution(temperature, top_k, top_p):
+    vocab, draws = 9, 12000
+    logits = _logits(1, vocab, 3)[0]
+    expected = _nucleus(logits.double().numpy(), temperature, top_k, top_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=5)
+    g = make_generator(params.seed)
+    tokens = sample(logits.expand(draws, vocab), [params] * draws, [g] * draws)
+    counts = np.bincount(tokens.numpy(), minlength=vocab)
+    kept = expected > 0
+    assert counts[~kept].sum() == 0, f"sampled outside the kept set: {counts} vs {expected.round(3)}"
+    if top_p < 1:
+        assert kept.sum() < (top_k or vocab)  # the nucleus cut something
+    chi2 = float((((counts - draws * expected) ** 2)[kept] / (draws * expected[kept])).sum())
+    df = int(kept.sum()) - 1
+    assert chi2 < CHI2_999[df], f"chi2 {chi2:.1f} (df {df}); counts {counts}, expected {(draws * expected).round()}"
+
+
+def test_top_p_always_keeps_the_top_token():
+    logits = _logits(3, 200, 4)
+    params = [SamplingParams(temperature=2.0, top_p=1e-9, seed=s) for s in range(3)]
+    generators = [make_generator(s) for s in range(3)]
+    for _ in range(5):
+        assert torch.equal(sample(logits, params, generators), logits.argmax(-1))
+
+
+def test_make_generator_seeds():
+    a, b = make_generator(7), make_generator(7)
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    c, d = make_generator(None), make_generator(None)
+    assert not torch.equal(torch.rand(4, generator=c), torch.rand(4, generator=d))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": "hot"}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.01}, "top_p"),
+    ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"top_k": True}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"), ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
+    ({"stop_token_ids": 5}, "stop_token_ids"), ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"),
+])
+def test_invalid_params_raise_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sample_checks_its_arguments():
+    with pytest.raises(ValueError, match="rows"):
+        sample(_logits(2, 10, 0), [SamplingParams()], [None, None])
+    with pytest.raises(ValueError, match=r"\(B, V\)"):
+        sample(torch.randn(10), [SamplingParams()], [None])
+
+
+def test_finish_reasons_and_the_stop_token_accounting():
+    params = SamplingParams(max_tokens=4, stop_token_ids=[9, 2])
+    checker = StopChecker(params)
+    assert [checker.update(t) for t in (5, 6)] == [None, None]
+    assert checker.update(2) == "stop" and checker.finished
+    assert checker.output_token_ids == [5, 6] and checker.num_generated == 3  # stop token counted, not shown
+    with pytest.raises(RuntimeError, match="finished"):
+        checker.update(1)
+
+    checker = StopChecker(params)
+    assert [checker.update(t) for t in (1, 1, 1, 1)] == [None, None, None, "length"]
+    assert checker.output_token_ids == [1, 1, 1, 1]
+    assert finish_reason(9, 4, params) == "stop"  # a stop id on the last allowed step is "stop"
+    assert finish_reason(8, 3, params) is None and finish_reason(8, 4, params) == "length"
