@@ -1,0 +1,119 @@
+"""Prefix cache in the engine: warm hits equal cold runs; global-only hits replay exactly n_win tokens
+and never rewrite cached global KV."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+
+import torch
+
+from dsv41 import load_config
+from dsv41.engine.cache import SequenceCache
+from dsv41.engine.engine import Engine
+from dsv41.engine.prefix import PrefixCache
+from dsv41.engine.prefix_store import InProcessSWAPool, PersistentStore
+from dsv41.engine.sampling import SamplingParams
+from dsv41.model.transformer import Transformer
+
+
+def make_model(seed: int) -> Transformer:
+    config = load_config("tiny").replace(qat=True)
+    model = Transformer(config).init_weights(seed=seed).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.layers:
+            for which in ("attn", "ffn"):
+                getattr(layer, f"hc_{which}_fn").normal_(0, 0.05, generator=g)
+                getattr(layer, f"hc_{which}_base").normal_(0, 0.5, generator=g)
+    return model
+
+
+def checksums(root) -> dict[str, str]:
+    """Index checksums and an independent SHA-256 of every blob file on disk."""
+    with sqlite3.connect(root / "index.sqlite") as db:
+        index = {f"index:{k}": v for k, v in db.execute("SELECT hash, checksum FROM units").fetchall()}
+    files = {f"file:{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in (root / "blobs").rglob("*.bin")}
+    return {**index, **files}
+
+
+def conversation(model: Transformer, seed: int) -> tuple[list[int], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    W = model.config.window_size
+    first = torch.randint(3, V, (3 * W + 7,), generator=g).tolist()
+    follow_up = torch.randint(3, V, (W + 9,), generator=g).tolist()  # suffix ≥ n_win
+    return first, follow_up
+
+
+def test_warm_hit_equals_cold_run_token_for_token(tmp_path):
+    torch.manual_seed(21)
+    model = make_model(21)
+    cache = PrefixCache(model.config, PersistentStore(tmp_path), InProcessSWAPool())
+    engine = Engine(model, prefix_cache=cache)
+    first, follow_up = conversation(model, 21)
+    out1 = engine.generate([first], max_tokens=9)[0]
+    turn2 = first + out1 + follow_up
+    warm_req = engine.add_request(turn2, SamplingParams(max_tokens=12))
+    while not warm_req.finished:
+        engine.step()
+    cold = Engine(model).generate([turn2], max_tokens=12)[0]
+    assert warm_req.output == cold
+    assert warm_req.cached_tokens >= len(first) + len(out1) - 1 - cache.lcm and warm_req.replayed_tokens == 0
+    m = engine.metrics()
+    assert m["hits"] == 1 and m["exact_resumes"] == 1 and m["pool"]["hits"] == 1
+    # units hold exactly the packed global KV: bytes per cached token = the cache's measured bytes per token
+    assert m["bytes_per_cached_token"] == SequenceCache(model.config).bytes_per_token()
+
+
+def test_global_only_hit_replays_exactly_n_win_and_rewrites_nothing(tmp_path):
+    torch.manual_seed(22)
+    model = make_model(22)
+    W = model.config.window_size
+    pool = InProcessSWAPool()
+    cache = PrefixCache(model.config, PersistentStore(tmp_path), pool)
+    engine = Engine(model, prefix_cache=cache)
+    first, follow_up = conversation(model, 22)
+    out1 = engine.generate([first], max_tokens=9)[0]
+    before = checksums(tmp_path)
+    pool.clear()
+    turn2 = first + out1 + follow_up
+    req = engine.add_request(turn2, SamplingParams(max_tokens=1))
+    engine.step()
+    assert req.replayed_tokens == W and cache.stats.replayed_tokens == W
+    assert req.cached_tokens > W
+    after = checksums(tmp_path)
+    assert all(after[k] == v for k, v in before.items()), "a cached unit was rewritten"
+    assert set(after) > set(before), "the new turn's units are stored"
+    # first-token distribution vs a cold run: approximate by design, but close
+    cold_logits = _first_logits(Engine(model), turn2)
+    hit_logits = _first_logits(Engine(model, prefix_cache=PrefixCache(model.config, PersistentStore(tmp_path),
+                                                                       InProcessSWAPool())), turn2)
+    kl = torch.sum(cold_logits.softmax(-1) * (cold_logits.log_softmax(-1) - hit_logits.log_softmax(-1))).item()
+    print(f"first-token KL(cold || global-only hit) = {kl:.4g}")
+    assert 0 <= kl < 0.5
+
+
+def _first_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
+    captured = {}
+    original = engine._emit
+
+    def capture(req, logits):
+        captured.setdefault("logits", logits[0].clone())
+        return original(req, logits)
+
+    engine._emit = capture
+    engine.generate([prompt], max_tokens=1)
+    return captured["logits"]
+
+
+def test_short_hits_are_not_adopted_and_misses_are_counted(tmp_path):
+    model = make_model(23)
+    cache = PrefixCache(model.config, PersistentStore(tmp_path), InProcessSWAPool())
+    engine = Engine(model, prefix_cache=cache)
+    W = model.config.window_size
+    short = torch.randint(3, model.config.vocab_size, (W - 2,)).tolist()
+    engine.generate([short], max_tokens=2)
+    req = engine.add_request(short + [5, 6, 7], SamplingParams(max_tokens=1))
+    engine.step()
+    assert req.cached_tokens == 0 and cache.stats.hits == 0 and cache.stats.misses == 2
