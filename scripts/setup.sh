@@ -14,3 +14,8 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -m pip install -q "torch==2.13.0" || "$VPY" -m pip install -q "torch>=2.11"
 fi
 "$VPY" -m pip install -q -e ".[dev]"
+# a real redis-server for the Redis SWA-pool tests (they skip, saying why, when it cannot be had)
+if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 \
+    || echo "setup: could not install redis-server; Redis tests will be skipped" >&2
+fi
