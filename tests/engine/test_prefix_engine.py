@@ -117,3 +117,43 @@ def test_short_hits_are_not_adopted_and_misses_are_counted(tmp_path):
     req = engine.add_request(short + [5, 6, 7], SamplingParams(max_tokens=1))
     engine.step()
     assert req.cached_tokens == 0 and cache.stats.hits == 0 and cache.stats.misses == 2
+
+
+def test_unreachable_redis_pool_still_serves_via_replay(tmp_path, caplog):
+    import socket
+
+    from dsv41.engine.prefix_store import RedisSWAPool
+
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model = make_model(24)
+    cache = PrefixCache(model.config, PersistentStore(tmp_path), RedisSWAPool(f"redis://127.0.0.1:{port}/0"))
+    engine = Engine(model, prefix_cache=cache)
+    first, follow_up = conversation(model, 24)
+    out1 = engine.generate([first], max_tokens=4)[0]
+    req = engine.add_request(first + out1 + follow_up, SamplingParams(max_tokens=2))
+    while not req.finished:
+        engine.step()
+    assert len(req.output) == 2 and req.replayed_tokens == model.config.window_size
+    warnings = [r for r in caplog.records if "redis" in r.getMessage().lower()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
+def test_failing_disk_serves_without_persisting(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    model = make_model(25)
+    store = PersistentStore(tmp_path)
+    engine = Engine(model, prefix_cache=PrefixCache(model.config, store, InProcessSWAPool()))
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", no_space)
+    first, _ = conversation(model, 25)
+    out = engine.generate([first], max_tokens=5)[0]
+    monkeypatch.undo()
+    assert len(out) == 5
+    assert store.stats()["entries"] == 0 and store.stats()["write_errors"] > 0
