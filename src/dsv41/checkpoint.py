@@ -10,6 +10,8 @@ Only safetensors is read or written, never pickle.
 
 Formats (`save_checkpoint(fmt=...)`, SPEC §1a "weights"):
   * `"float"` — every state-dict tensor under its own name, in its own dtype (or `dtype`).
+  * `"compact"` — `"official-fp8"` plus `embed.weight`, `head.weight` and `engram.embed.weight` as
+    FP8 E4M3 rows with an E8M0 scale per 32 channels (the loader reads 1×32 blocks); for shipping.
   * `"official-fp8"` — the release's layout. The rule, by parameter name:
       - routed experts `*.ffn.experts.<i>.w{1,2,3}.weight` → MXFP4: `X.weight` = packed E2M1 pairs
         stored as I8 `[out, in/2]` (the release's float4_e2m1fn_x2 bytes viewed as int8; element
@@ -70,11 +72,17 @@ from torch.overrides import TorchFunctionMode
 from dsv41.config import ConfigError, ModelConfig, load_config
 from dsv41.model.transformer import Transformer
 from dsv41.quant.fp4 import MXFP4_BLOCK, mxfp4_dequantize_weight, mxfp4_quantize_weight
-from dsv41.quant.fp8 import WEIGHT_BLOCK, e8m0_to_float, fp8_block_dequantize_weight, fp8_block_quantize_weight
+from dsv41.quant.fp8 import (
+    WEIGHT_BLOCK,
+    e8m0_to_float,
+    fp8_block_dequantize_weight,
+    fp8_block_quantize_weight,
+    quantize_fp8,
+)
 
 logger = logging.getLogger(__name__)
 
-CheckpointFormat = Literal["float", "official-fp8"]
+CheckpointFormat = Literal["float", "official-fp8", "compact"]
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -90,6 +98,9 @@ _KEEP_FLOAT_RE = re.compile(
     r"|engram\.embed\.weight|engram\.q_weight|engram\.k_weight)$"
     r"|(^|\.)ffn\.gate\.|(^|\.)compressor\."
 )
+# "compact" (what the repo ships): official-fp8, plus the embedding, head and Engram tables as FP8 rows
+# with one E8M0 scale per 32 channels, so a small model fits in a few tens of MB
+_COMPACT_ROWS_RE = re.compile(r"(^|\.)(embed|head)\.weight$")
 _FP32_RE = re.compile(r"(^|\.)hc_[^.]*$|(^|\.)attn_sink$|(^|\.)ffn\.gate\.|(^|\.)compressor\.|norm\.weight$")
 # tensors of modules the text model does not build yet: skipped (with a note) when absent from the model
 _OPTIONAL_PREFIXES = ("mtp.", "vision.", "visual.", "vision_model.", "vision_tower.", "vit.", "projector.",
@@ -164,7 +175,9 @@ def save_state_dict_file(tensors: dict[str, Tensor], path: str | Path, metadata:
 def _plan_entry(name: str, t: Tensor, fmt: CheckpointFormat, dtype: torch.dtype | None
                 ) -> tuple[str, list[tuple[str, int]], torch.dtype | None]:
     """(kind, [(stored name, bytes)], float storage dtype) of one state-dict entry."""
-    kind = quantized_kind(name, t) if fmt == "official-fp8" else None
+    kind = quantized_kind(name, t) if fmt in ("official-fp8", "compact") else None
+    if fmt == "compact" and _COMPACT_ROWS_RE.search(name) and t.dim() == 2 and t.shape[1] % WEIGHT_BLOCK == 0:
+        return "fp8row", [(name, t.numel()), (scale_name(name), t.numel() // WEIGHT_BLOCK)], None
     if kind == "fp8":
         out_dim, in_dim = t.shape
         tiles = math.ceil(out_dim / WEIGHT_BLOCK) * math.ceil(in_dim / WEIGHT_BLOCK)
@@ -180,7 +193,7 @@ def _plan_entry(name: str, t: Tensor, fmt: CheckpointFormat, dtype: torch.dtype 
             store = torch.float32
         elif dtype is not None:
             store = dtype
-        elif fmt == "official-fp8":
+        elif fmt in ("official-fp8", "compact"):
             store = torch.bfloat16
     return "float", [(name, t.numel() * store.itemsize)], store
 
@@ -189,6 +202,9 @@ def _convert(name: str, t: Tensor, kind: str, store: torch.dtype | None) -> dict
     t = t.detach()
     if kind == "fp8":
         values, scales = fp8_block_quantize_weight(t)
+        return {name: values.view(torch.float8_e4m3fn).cpu(), scale_name(name): scales.view(torch.float8_e8m0fnu).cpu()}
+    if kind == "fp8row":  # one E8M0 scale per 32 along each row (what the report uses for table rows)
+        values, scales = quantize_fp8(t.float())
         return {name: values.view(torch.float8_e4m3fn).cpu(), scale_name(name): scales.view(torch.float8_e8m0fnu).cpu()}
     if kind == "mxfp4":
         packed, scales = mxfp4_quantize_weight(t)
@@ -207,8 +223,8 @@ def save_checkpoint(model: Transformer, directory: str | Path, *, dtype: torch.d
                     fmt: CheckpointFormat = "float", extra_files: dict[str, bytes | str] | None = None,
                     metadata: dict[str, Any] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write `model` as a checkpoint directory (see the module docstring); returns the directory."""
-    if fmt not in ("float", "official-fp8"):
-        raise ValueError(f"save_checkpoint: fmt must be 'float' or 'official-fp8', got {fmt!r}")
+    if fmt not in ("float", "official-fp8", "compact"):
+        raise ValueError(f"save_checkpoint: fmt must be 'float', 'official-fp8' or 'compact', got {fmt!r}")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"save_checkpoint: dtype must be a floating dtype, got {dtype}")
     if max_shard_bytes <= 0:
@@ -260,7 +276,7 @@ def save_checkpoint(model: Transformer, directory: str | Path, *, dtype: torch.d
             stale.unlink()
     for name, content in (extra_files or {}).items():
         _atomic_write_bytes(directory / name, content.encode() if isinstance(content, str) else bytes(content))
-    if fmt == "official-fp8":
+    if fmt in ("official-fp8", "compact"):
         config = model.config.replace(dtype="fp8", expert_dtype="fp4")
     else:
         config = model.config.replace(dtype="bf16", expert_dtype=None)

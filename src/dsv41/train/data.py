@@ -150,6 +150,15 @@ class TokenizedCorpus:
         return cls(np.load(folder / "tokens.npy", mmap_mode=mode), np.load(folder / "offsets.npy"))
 
 
+def load_corpus(source: str | Path, tok: Tok, cache_dir: str | Path, split: str = "train") -> TokenizedCorpus:
+    """A split of `source`: a pre-tokenized folder (`source/<split>/meta.json`, as written by
+    `TokenizedCorpus.save`, e.g. to carry a corpus to a machine without it) or text to tokenize."""
+    folder = Path(source) / split
+    if (folder / "meta.json").exists():
+        return TokenizedCorpus.load(folder)
+    return tokenize_corpus(source, tok, cache_dir, split)
+
+
 def tokenize_corpus(source: str | Path, tok: Tok, cache_dir: str | Path, split: str = "all",
                     val_permille: int = 10) -> TokenizedCorpus:
     """The cached token form of `source`'s split, encoding it only when the cache misses.

@@ -58,7 +58,7 @@ from dsv41.model.moe import moe_modules, update_moe_biases
 from dsv41.model.transformer import Transformer
 from dsv41.optim import LRSchedule, build_optimizer
 from dsv41.train import state as ckpt
-from dsv41.train.data import PackedDataset, TokenizedCorpus, tokenize_corpus, val_batches
+from dsv41.train.data import PackedDataset, TokenizedCorpus, load_corpus, val_batches
 from dsv41.train.tokenizer import DATA_DIR, DEFAULT_TOKENIZER, build_compressed_token_map, load_tokenizer
 
 GOLDEN_FILE = Path(__file__).resolve().parents[3] / "tests" / "train" / "golden_tiny_loss.json"
@@ -314,9 +314,9 @@ class Trainer:
         # tokenizer and data
         self.tokenizer = load_tokenizer(tc.tokenizer)
         cache = Path(tc.cache_dir) if tc.cache_dir else Path.home() / ".cache" / "dsv41" / "tokens"
-        self.train_corpus = tokenize_corpus(tc.data, self.tokenizer, cache, split="train")
+        self.train_corpus = load_corpus(tc.data, self.tokenizer, cache, split="train")
         self.dataset = PackedDataset(self.train_corpus, tc.seq_len, seed=tc.seed)
-        val_corpus = tokenize_corpus(tc.data, self.tokenizer, cache, split="val")
+        val_corpus = load_corpus(tc.data, self.tokenizer, cache, split="val")
         self.val_set = list(islice(val_batches(val_corpus, tc.seq_len, tc.batch_size), tc.eval_batches)) \
             if len(val_corpus) else []
 
