@@ -111,8 +111,9 @@ _PACKED_FP4_DTYPES = {"I8", "U8", "F4"}
 _SCALE_BYTE_DTYPES = {"F8_E8M0", "U8"}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read; the one-line message names the file or tensor."""
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be read; the one-line message names the file or tensor. A ConfigError
+    (a ValueError), so the CLI reports it as a user error: one line, exit code 2."""
 
 
 def quantized_kind(name: str, tensor: Tensor) -> Literal["fp8", "mxfp4"] | None:

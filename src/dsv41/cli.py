@@ -32,7 +32,9 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "dsv41.cli:PLAN",
     "accounting": "dsv41.cli:ACCOUNTING",
     "train": "dsv41.train.cli",
+    "demo": "dsv41.demo",
     "generate": "dsv41.engine.cli",
+    "serve": "dsv41.server.cli",
 }
 
 
