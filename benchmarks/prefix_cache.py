@@ -93,12 +93,13 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--message", type=int, nargs=2, default=[120, 400], help="user/tool message length range")
     ap.add_argument("--output", type=int, default=24, help="tokens generated per turn")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
 
     torch.manual_seed(0)
     config = v41_kv_twin()
-    model = Transformer(config).init_weights(seed=0).eval()
+    model = Transformer(config).init_weights(seed=0).to(args.device).eval()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as ours_dir, tempfile.TemporaryDirectory() as v4_dir:
         cache = PrefixCache(config, PersistentStore(Path(ours_dir)), InProcessSWAPool())
@@ -125,6 +126,7 @@ def main() -> None:
         ours_tokens = m["unit_tokens_written"]
         result = dict(
             benchmark="prefix_cache", date=dt.date.today().isoformat(), sessions=args.sessions, turns=args.turns,
+            device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             message_tokens=args.message, output_tokens=args.output, elapsed_s=elapsed,
             ours=dict(disk_bytes=ours_disk, cached_tokens_stored=ours_tokens,
                       bytes_per_cached_token=ours_disk / ours_tokens,
