@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv41.config import ModelConfig
-from dsv41.plan import engram_primes
+from dsv41.plan import engram_primes, engram_table_rows
 
 
 def _compressed_size(config: ModelConfig, compressed_vocab_size: int | None) -> int:
@@ -79,8 +79,8 @@ class NgramHasher(nn.Module):
         primes = torch.tensor(engram_primes(c), dtype=torch.int64)  # (L, orders, heads)
         flat = primes.flatten(1)  # (L, orders * heads), order-major
         offsets = torch.cumsum(flat, dim=1) - flat  # exclusive cumsum per layer
-        rows = flat.sum(dim=1)
-        for i, (need, have) in enumerate(zip(rows.tolist(), c.engram_num_embeddings)):
+        # checked in plain Python (engram_table_rows), so building on the meta device works too
+        for i, (need, have) in enumerate(zip(engram_table_rows(c), c.engram_num_embeddings)):
             if need > have:
                 raise ValueError(
                     f"engram_num_embeddings[{i}] = {have} is smaller than the {need} rows the "
