@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving: protocol (schemas), app (routes), scheduler (continuous batching), metrics, cli."""

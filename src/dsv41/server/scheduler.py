@@ -1,0 +1,339 @@
+"""Continuous batching for the server: one thread owns the Engine; requests join and leave every step.
+
+HTTP handlers never touch the engine. They `submit` a prompt (token ids) with its sampling parameters
+and a `deliver` callback, and receive `Token` / `Finish` / `Failure` events from the engine thread.
+The engine thread loops:
+
+    apply cancellations → expire deadlines → admit from the queue → engine.step() → deliver events
+
+Admission policy (`KVBudget`, FIFO):
+  * a request reserves `(prompt + max_tokens) × bytes_per_token + window_bytes` of KV memory — the
+    most its cache can grow to (global KV rows per token, plus the fixed sliding-window rings);
+  * the queue head is admitted while the reservation fits the budget and the batch has room; a head
+    that does not fit waits (no overtaking, so long requests are not starved), and one that could
+    never fit is refused at `submit`;
+  * at most `prefill_tokens_per_step` prompt tokens are admitted per step (at least one request), so
+    a burst of long prompts cannot stall the running batch's next token for long;
+  * the waiting queue is bounded: `submit` raises `QueueFull` beyond `max_queue` (HTTP 429).
+
+A cancelled request (client gone, stop string matched) is removed from the engine's running list
+between steps, and its reservation is released. A request past its deadline is cut: still queued →
+`Failure(503, "timeout")`; already generating → `Finish("length")` with the tokens produced so far.
+
+Policy only: no torch here. The engine is used through `add_request`, `step`, `running`, `waiting`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv41.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- events (engine thread → handler)
+@dataclass(slots=True)
+class Token:
+    token: int
+
+
+@dataclass(slots=True)
+class Finish:
+    reason: str  # "stop" (stop token) or "length" (max_tokens, context end or deadline)
+    prompt_tokens: int
+    completion_tokens: int  # sampled tokens, a final stop token included (it cost a decode step)
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    replayed_tokens: int
+
+
+@dataclass(slots=True)
+class Failure:
+    status: int
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+
+
+Event = Token | Finish | Failure
+
+
+class QueueFull(Exception):
+    pass
+
+
+class TooLarge(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's life in the scheduler (handler side reads only `done`)."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    deliver: Callable[[Event], None]
+    kv_bytes: int  # reservation against the KV budget
+    arrival: float
+    deadline: float | None
+    request: Any = None  # the engine's Request once admitted
+    done: bool = False
+    n_emitted: int = 0
+    last_token_at: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------- admission policy
+class KVBudget:
+    """Bytes of KV cache promised to admitted requests, against a fixed capacity."""
+
+    def __init__(self, capacity_bytes: int):
+        if capacity_bytes <= 0:
+            raise ValueError(f"KV budget must be > 0 bytes, got {capacity_bytes}")
+        self.capacity = int(capacity_bytes)
+        self.reserved = 0
+
+    def fits(self, n_bytes: int) -> bool:
+        return self.reserved + n_bytes <= self.capacity
+
+    def reserve(self, n_bytes: int) -> None:
+        self.reserved += n_bytes
+
+    def release(self, n_bytes: int) -> None:
+        self.reserved = max(0, self.reserved - n_bytes)
+
+
+def kv_estimate(prompt_tokens: int, max_tokens: int, bytes_per_token: float, window_bytes: int) -> int:
+    """The most KV memory one sequence can hold: its global rows at full length plus its window rings."""
+    return int((prompt_tokens + max_tokens) * bytes_per_token) + int(window_bytes)
+
+
+# ---------------------------------------------------------------------- the engine thread
+class Scheduler:
+    def __init__(self, engine, *, max_queue: int = 256, kv_budget_bytes: int, bytes_per_token: float,
+                 window_bytes: int, timeout_s: float | None = 600.0, prefill_tokens_per_step: int = 8192,
+                 metrics=None):
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine = engine
+        self.max_queue, self.timeout_s = max_queue, timeout_s
+        self.max_batch = engine.max_batch
+        self.bytes_per_token, self.window_bytes = bytes_per_token, window_bytes
+        self.prefill_tokens_per_step = prefill_tokens_per_step
+        self.budget = KVBudget(kv_budget_bytes)
+        self.metrics = metrics
+        self._queue: deque[Ticket] = deque()  # submitted, not yet admitted (FIFO)
+        self._cancels: deque[Ticket] = deque()
+        self._active: dict[int, Ticket] = {}  # engine request id → ticket
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.kv_used_bytes = 0  # measured after each step (engine thread writes, anyone reads)
+        self.steps = 0
+        self.fatal: str | None = None
+
+    # ------------------------------------------------------------------ handler side (any thread)
+    def submit(self, prompt: list[int], params: SamplingParams, deliver: Callable[[Event], None]) -> Ticket:
+        kv = kv_estimate(len(prompt), params.max_tokens, self.bytes_per_token, self.window_bytes)
+        if kv > self.budget.capacity:
+            raise TooLarge(f"the request needs up to {kv} bytes of KV cache ({len(prompt)} prompt + "
+                           f"{params.max_tokens} max tokens), more than the server's budget of "
+                           f"{self.budget.capacity} bytes; lower max_tokens or shorten the prompt")
+        now = time.perf_counter()
+        with self._cond:
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"the server's waiting queue is full ({self.max_queue} requests); retry later")
+            ticket = Ticket(next(self._ids), prompt, params, deliver, kv, now,
+                            now + self.timeout_s if self.timeout_s else None)
+            self._queue.append(ticket)
+            self._cond.notify()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Stop generating for `ticket` (no further events are delivered). Idempotent."""
+        with self._cond:
+            if ticket.done:
+                return
+            ticket.done = True
+            self._cancels.append(ticket)
+            self._cond.notify()
+
+    def counts(self) -> dict[str, int]:
+        with self._cond:
+            queued = len(self._queue)
+        return {"running": len(self.engine.running), "waiting": queued + len(self.engine.waiting),
+                "kv_reserved_bytes": self.budget.reserved, "kv_budget_bytes": self.budget.capacity,
+                "kv_used_bytes": self.kv_used_bytes}
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dsv41-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stop or self._queue or self._cancels or self.engine.has_work()):
+                        self._cond.wait(self._idle_wait())
+                        self._expire(time.perf_counter())
+                    if self._stop:
+                        break
+                    cancels = list(self._cancels)
+                    self._cancels.clear()
+                for ticket in cancels:
+                    self._drop(ticket, "cancelled")
+                now = time.perf_counter()
+                with self._cond:
+                    self._expire(now)
+                    self._admit()
+                if self.engine.has_work():
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 - a dead engine thread must be visible (/health)
+            self.fatal = f"{type(e).__name__}: {e}"
+            log.exception("engine thread died")
+            raise
+        finally:
+            self._fail_all(Failure(503, "the server is shutting down" if self._stop else "the engine stopped",
+                                   code="engine_stopped"))
+
+    def _idle_wait(self) -> float:
+        deadlines = [t.deadline for t in self._queue if t.deadline is not None]
+        return max(0.0, min(deadlines) - time.perf_counter()) + 1e-3 if deadlines else 1.0
+
+    def _expire(self, now: float) -> None:
+        """(lock held) Cut requests past their deadline."""
+        for ticket in [t for t in self._queue if t.deadline is not None and now >= t.deadline]:
+            self._queue.remove(ticket)
+            self._close(ticket, Failure(503, f"the request waited {self.timeout_s:g} s in the queue without being "
+                                             "scheduled; retry later", code="timeout"), "timeout")
+        for ticket in [t for t in self._active.values() if t.deadline is not None and now >= t.deadline]:
+            self._remove_from_engine(ticket)
+            self._close(ticket, self._finish_event(ticket.request, "length"), "timeout")
+
+    def _admit(self) -> None:
+        """(lock held) FIFO admission by KV budget, batch room and the per-step prefill allowance."""
+        prefill_tokens = 0
+        while self._queue:
+            head = self._queue[0]
+            in_engine = len(self.engine.running) + len(self.engine.waiting)
+            if in_engine >= self.max_batch or not self.budget.fits(head.kv_bytes):
+                break
+            if prefill_tokens and prefill_tokens + len(head.prompt) > self.prefill_tokens_per_step:
+                break
+            self._queue.popleft()
+            try:
+                head.request = self.engine.add_request(head.prompt, head.params)
+            except ValueError as e:  # validated upstream; a mismatch is still the client's input
+                self._close(head, Failure(400, str(e), "invalid_request_error"), "error")
+                continue
+            self.budget.reserve(head.kv_bytes)
+            self._active[head.request.id] = head
+            prefill_tokens += len(head.prompt)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a server fault: fail this batch, keep serving
+            log.exception("engine.step failed; failing %d requests", len(self._active))
+            for ticket in list(self._active.values()):
+                self._remove_from_engine(ticket)
+                self._close(ticket, Failure(500, f"internal error while generating: {type(e).__name__}"), "error")
+            return
+        self.steps += 1
+        now = time.perf_counter()
+        m = self.metrics
+        for out in outputs:
+            ticket = self._active.get(out.request.id)
+            if ticket is None:
+                continue
+            req = out.request
+            first = ticket.n_emitted == 0
+            if first and m is not None:  # the prefill happened this step
+                m.prompt_tokens.inc(len(req.prompt))
+                if self.engine.prefix_cache is not None and not req.exact_prefill:
+                    m.prefix_lookups.inc()
+                    if req.cached_tokens:
+                        m.prefix_hits.inc()
+                        m.cached_tokens.inc(req.cached_tokens)
+                        m.replayed_tokens.inc(req.replayed_tokens)
+            ticket.n_emitted += 1
+            if m is not None:
+                m.completion_tokens.inc()
+                if first:
+                    m.ttft.observe(now - ticket.arrival)
+                else:
+                    m.itl.observe(now - ticket.last_token_at)
+            ticket.last_token_at = now
+            if out.token is not None and not ticket.done:
+                ticket.deliver(Token(out.token))
+            if out.finished:
+                self._close(ticket, self._finish_event(req, req.finish_reason or "length"), req.finish_reason)
+        self.kv_used_bytes = sum(r.cache.global_kv_bytes() + r.cache.window_bytes()
+                                 for r in self.engine.running if r.cache is not None)
+
+    # ------------------------------------------------------------------ bookkeeping
+    @staticmethod
+    def _finish_event(req, reason: str) -> Finish:
+        generated = len(req.output) + (1 if reason == "stop" else 0)
+        return Finish(reason, len(req.prompt), generated, req.cached_tokens, req.replayed_tokens)
+
+    def _remove_from_engine(self, ticket: Ticket) -> None:
+        req = ticket.request
+        if req is None:
+            return
+        req.finished = True
+        req.finish_reason = req.finish_reason or "cancelled"
+        for pool in (self.engine.running, self.engine.waiting):
+            if req in pool:
+                pool.remove(req)
+
+    def _drop(self, ticket: Ticket, reason: str) -> None:
+        """A cancelled ticket: out of the queue or the engine, reservation released, nothing delivered."""
+        with self._cond:
+            if ticket in self._queue:
+                self._queue.remove(ticket)
+        self._remove_from_engine(ticket)
+        self._release(ticket, reason)
+
+    def _close(self, ticket: Ticket, event: Event, reason: str | None) -> None:
+        if not ticket.done:
+            ticket.done = True
+            ticket.deliver(event)
+        self._release(ticket, reason)
+
+    def _release(self, ticket: Ticket, reason: str | None) -> None:
+        if ticket.request is not None and self._active.pop(ticket.request.id, None) is not None:
+            self.budget.release(ticket.kv_bytes)
+        if self.metrics is not None and not ticket.extra.get("counted"):
+            ticket.extra["counted"] = True
+            self.metrics.finished.inc(reason=reason or "unknown")
+
+    def _fail_all(self, failure: Failure) -> None:
+        with self._cond:
+            pending = list(self._queue) + list(self._active.values())
+            self._queue.clear()
+        for ticket in pending:
+            self._remove_from_engine(ticket)
+            self._close(ticket, failure, "error")
