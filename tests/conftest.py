@@ -29,6 +29,27 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = FP3
                              f"worst ratio {(err / bound).max().item():.2f}")
 
 
+def randomize_mixing(model, seed: int) -> None:
+    """Init makes mHC mixing near-identity and sinks zero; tests want every coefficient to matter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.layers:
+            for which in ("attn", "ffn"):
+                getattr(layer, f"hc_{which}_fn").normal_(0, 0.05, generator=g)
+                getattr(layer, f"hc_{which}_base").normal_(0, 0.5, generator=g)
+            layer.attn.attn_sink.normal_(0, 1.0, generator=g)
+
+
+def engine_test_model(seed: int, **changes):
+    """`tiny` with the cache formats on (qat) and randomized mixing: what engine tests compare."""
+    from dsv41 import load_config
+    from dsv41.model.transformer import Transformer
+
+    model = Transformer(load_config("tiny").replace(qat=True, **changes)).init_weights(seed=seed).eval()
+    randomize_mixing(model, seed)
+    return model
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     # a fixed, small thread count keeps CPU timings and results stable on the 2-core CI box

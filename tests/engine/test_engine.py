@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.conftest import engine_test_model
 
 from dsv41 import load_config
 from dsv41.engine.cache import SequenceCache
@@ -12,22 +13,8 @@ from dsv41.engine.engine import Engine
 from dsv41.engine.prefill import prefill
 from dsv41.engine.runner import Runner
 from dsv41.model.state import ForwardContext
-from dsv41.model.transformer import Transformer
 from dsv41.quant.fp4 import fake_quant_index_fp4, fake_quant_kv_fp4
 from dsv41.quant.fp8 import fake_quant_window_fp8
-
-
-def make_model(seed: int, **changes) -> Transformer:
-    config = load_config("tiny").replace(qat=True, **changes)  # the model sees the cache formats
-    model = Transformer(config).init_weights(seed=seed).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # move mHC and sinks off their near-identity init so they matter
-        for layer in model.layers:
-            for which in ("attn", "ffn"):
-                getattr(layer, f"hc_{which}_fn").normal_(0, 0.05, generator=g)
-                getattr(layer, f"hc_{which}_base").normal_(0, 0.5, generator=g)
-            layer.attn.attn_sink.normal_(0, 1.0, generator=g)
-    return model
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -37,7 +24,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("prompt_len", [9, 32, 150])  # odd < window, = window, ≫ window (W = 32)
 def test_exact_prefill_and_20_decode_steps_equal_full_forward(prompt_len):
     torch.manual_seed(prompt_len)
-    model = make_model(prompt_len)
+    model = engine_test_model(prompt_len)
     runner = Runner(model)
     tokens = torch.randint(3, model.config.vocab_size, (1, prompt_len + 20))
     with torch.no_grad():
@@ -54,7 +41,7 @@ def test_exact_prefill_and_20_decode_steps_equal_full_forward(prompt_len):
 
 def test_batched_decode_of_three_lengths_equals_full_forward():
     torch.manual_seed(3)
-    model = make_model(3)
+    model = engine_test_model(3)
     runner = Runner(model)
     lengths = [7, 40, 101]
     seqs, refs, toks = [], [], []
@@ -79,7 +66,7 @@ def test_batched_decode_of_three_lengths_equals_full_forward():
 
 def test_encoder_only_prefill_equals_exact_when_prompt_fits_the_window():
     torch.manual_seed(5)
-    model = make_model(5)
+    model = engine_test_model(5)
     runner = Runner(model)
     W = model.config.window_size
     for n in (5, W - 1, W):
@@ -97,7 +84,7 @@ def test_encoder_only_prefill_equals_exact_when_prompt_fits_the_window():
 
 
 def test_encoder_only_prefill_runs_decoder_on_window_tokens_only():
-    model = make_model(6)
+    model = engine_test_model(6)
     runner = Runner(model)
     calls = []
     original = runner.forward
@@ -122,7 +109,7 @@ def test_encoder_only_prefill_runs_decoder_on_window_tokens_only():
 
 def test_packed_storage_dequantizes_bit_exactly_to_the_models_fake_quant():
     torch.manual_seed(7)
-    model = make_model(7)
+    model = engine_test_model(7)
     runner = Runner(model)
     tokens = torch.randint(3, model.config.vocab_size, (1, 61))
     seq = SequenceCache(model.config)
@@ -152,7 +139,7 @@ def test_packed_storage_dequantizes_bit_exactly_to_the_models_fake_quant():
 
 def test_batch_gives_the_same_greedy_tokens_as_each_sequence_alone():
     torch.manual_seed(8)
-    model = make_model(8)
+    model = engine_test_model(8)
     prompts = [torch.randint(3, model.config.vocab_size, (n,)).tolist() for n in (5, 44, 77)]
     batched = Engine(model, prefill_chunk=32).generate(prompts, max_tokens=12)
     alone = [Engine(model, prefill_chunk=32).generate([p], max_tokens=12)[0] for p in prompts]
@@ -161,7 +148,7 @@ def test_batch_gives_the_same_greedy_tokens_as_each_sequence_alone():
 
 
 def test_sampling_is_reproducible_with_a_seed_and_stop_ids_end_requests():
-    model = make_model(9)
+    model = engine_test_model(9)
     engine = Engine(model)
     prompt = torch.randint(3, model.config.vocab_size, (20,)).tolist()
     a = engine.generate([prompt], max_tokens=10, temperature=1.0, seed=1234)

@@ -7,26 +7,14 @@ import hashlib
 import sqlite3
 
 import torch
+from tests.conftest import engine_test_model
 
-from dsv41 import load_config
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.engine import Engine
 from dsv41.engine.prefix import PrefixCache
 from dsv41.engine.prefix_store import InProcessSWAPool, PersistentStore
 from dsv41.engine.sampling import SamplingParams
 from dsv41.model.transformer import Transformer
-
-
-def make_model(seed: int) -> Transformer:
-    config = load_config("tiny").replace(qat=True)
-    model = Transformer(config).init_weights(seed=seed).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in model.layers:
-            for which in ("attn", "ffn"):
-                getattr(layer, f"hc_{which}_fn").normal_(0, 0.05, generator=g)
-                getattr(layer, f"hc_{which}_base").normal_(0, 0.5, generator=g)
-    return model
 
 
 def checksums(root) -> dict[str, str]:
@@ -48,7 +36,7 @@ def conversation(model: Transformer, seed: int) -> tuple[list[int], list[int]]:
 
 def test_warm_hit_equals_cold_run_token_for_token(tmp_path):
     torch.manual_seed(21)
-    model = make_model(21)
+    model = engine_test_model(21)
     cache = PrefixCache(model.config, PersistentStore(tmp_path), InProcessSWAPool())
     engine = Engine(model, prefix_cache=cache)
     first, follow_up = conversation(model, 21)
@@ -68,7 +56,7 @@ def test_warm_hit_equals_cold_run_token_for_token(tmp_path):
 
 def test_global_only_hit_replays_exactly_n_win_and_rewrites_nothing(tmp_path):
     torch.manual_seed(22)
-    model = make_model(22)
+    model = engine_test_model(22)
     W = model.config.window_size
     pool = InProcessSWAPool()
     cache = PrefixCache(model.config, PersistentStore(tmp_path), pool)
@@ -108,7 +96,7 @@ def _first_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
 
 
 def test_short_hits_are_not_adopted_and_misses_are_counted(tmp_path):
-    model = make_model(23)
+    model = engine_test_model(23)
     cache = PrefixCache(model.config, PersistentStore(tmp_path), InProcessSWAPool())
     engine = Engine(model, prefix_cache=cache)
     W = model.config.window_size
@@ -127,7 +115,7 @@ def test_unreachable_redis_pool_still_serves_via_replay(tmp_path, caplog):
     with socket.socket() as s:  # a port with nothing listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    model = make_model(24)
+    model = engine_test_model(24)
     cache = PrefixCache(model.config, PersistentStore(tmp_path), RedisSWAPool(f"redis://127.0.0.1:{port}/0"))
     engine = Engine(model, prefix_cache=cache)
     first, follow_up = conversation(model, 24)
@@ -144,7 +132,7 @@ def test_failing_disk_serves_without_persisting(tmp_path, monkeypatch):
     import errno
     import os
 
-    model = make_model(25)
+    model = engine_test_model(25)
     store = PersistentStore(tmp_path)
     engine = Engine(model, prefix_cache=PrefixCache(model.config, store, InProcessSWAPool()))
 

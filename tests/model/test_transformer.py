@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.conftest import assert_close
+from tests.conftest import assert_close, randomize_mixing
 
 from dsv41 import load_config
 from dsv41.accounting import compute
@@ -28,22 +28,13 @@ def tiny_model(seed: int, **changes) -> Transformer:
     return Transformer(config).init_weights(seed=seed)
 
 
-def randomize_mhc(model: Transformer, seed: int) -> None:
-    """Init makes mixing near-identity; tests want every coefficient to matter."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in model.layers:
-            for which in ("attn", "ffn"):
-                getattr(layer, f"hc_{which}_fn").normal_(0, 0.05, generator=g)
-                getattr(layer, f"hc_{which}_base").normal_(0, 0.5, generator=g)
-            layer.attn.attn_sink.normal_(0, 1.0, generator=g)
 
 
 # ----------------------------------------------------------------------------- 1. causality
 def test_causality_changing_token_t_never_changes_earlier_logits():
     torch.manual_seed(101)
     model = tiny_model(1)
-    randomize_mhc(model, 1)
+    randomize_mixing(model, 1)
     T = 200
     tokens = torch.randint(3, model.config.vocab_size, (1, T))
     base = model(tokens)
@@ -60,7 +51,7 @@ def test_sparse_attention_equals_dense_window_plus_all_visible_entries():
     torch.manual_seed(202)
     config = load_config("tiny").replace(index_topk=10_000, candidate_source_layer=-1)
     model = Transformer(config).init_weights(seed=2)
-    randomize_mhc(model, 2)
+    randomize_mixing(model, 2)
     B, T = 2, 90
     for layer_id in (2, 4):  # Full m=2 (encoder) and Full m=1 (decoder)
         attn: Attention = model.layers[layer_id].attn
@@ -127,7 +118,7 @@ def test_compressor_m2_equals_hand_computation_and_m1_is_rmsnorm_wkv():
 def test_reuse_and_reindex_read_exactly_their_sources():
     torch.manual_seed(404)
     model = tiny_model(4)
-    randomize_mhc(model, 4)
+    randomize_mixing(model, 4)
     config = model.config
     B, T = 2, 300
     tokens = torch.randint(3, config.vocab_size, (B, T))
@@ -192,7 +183,7 @@ def test_training_step_gives_every_trainable_parameter_a_finite_nonzero_gradient
 def test_packed_documents_match_each_document_alone():
     torch.manual_seed(707)
     model = tiny_model(7)
-    randomize_mhc(model, 7)
+    randomize_mixing(model, 7)
     V = model.config.vocab_size
     a = torch.randint(3, V, (1, 101))  # odd length: its last m=2 group is partial
     b = torch.randint(3, V, (1, 150))
@@ -273,8 +264,8 @@ def test_state_dict_names_and_shapes_equal_the_official_list(preset):
 def test_two_models_in_one_process_and_unrelated_sequences_in_one_batch():
     torch.manual_seed(1010)
     m1, m2 = tiny_model(11), tiny_model(12)
-    randomize_mhc(m1, 11)
-    randomize_mhc(m2, 12)
+    randomize_mixing(m1, 11)
+    randomize_mixing(m2, 12)
     V = m1.config.vocab_size
     x = torch.randint(3, V, (3, 120))
     alone1, alone2 = m1(x), m2(x)
