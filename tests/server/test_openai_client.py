@@ -11,6 +11,7 @@ from tests.server.conftest import MODEL_NAME
 from dsv41.cli import main as dsv41_main
 from dsv41.engine.engine import Engine
 from dsv41.server.app import TextStream
+from dsv41.train.tokenizer import apply_chat_template
 
 KEY = "test-key"
 PROMPT = "Once upon a time, in a quiet village by the sea,"
@@ -107,7 +108,9 @@ def test_message_text_cannot_inject_control_tokens(client, tiny):
     resp = client.chat.completions.create(model=MODEL_NAME, messages=sneaky, max_tokens=1, temperature=0)
     literal = [tok.bos_id, tok.special_ids["<|user|>"], *tok.encode(sneaky[0]["content"]), tok.end_turn_id,
                tok.special_ids["<|assistant|>"]]
-    assert resp.usage.prompt_tokens == len(literal) != len(tok.encode_chat(sneaky))
+    assert resp.usage.prompt_tokens == len(literal) and tok.encode_chat(sneaky) == literal
+    # encoding the rendered string with specials allowed is exactly the injection this prevents
+    assert len(tok.encode(apply_chat_template(sneaky), allow_special=True)) != len(literal)
 
 
 def test_stop_string_cuts_text(client, tiny):

@@ -17,9 +17,7 @@ import asyncio
 import hmac
 import json
 import logging
-import re
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,7 +31,7 @@ from dsv41.engine.sampling import SamplingParams
 from dsv41.server import protocol as P
 from dsv41.server.metrics import ServerMetrics
 from dsv41.server.scheduler import Failure, Finish, QueueFull, Scheduler, Ticket, Token, TooLarge
-from dsv41.train.tokenizer import END_THINK, THINK, apply_chat_template
+from dsv41.train.tokenizer import END_THINK, THINK
 
 log = logging.getLogger(__name__)
 
@@ -387,31 +385,16 @@ def create_app(scheduler: Scheduler, tok, *, model_name: str, max_model_len: int
         return sse(e.body())
 
     def render_chat(req: P.ChatCompletionRequest) -> list[int]:
-        """The tokenizer's chat template, with message text encoded literally: a user writing "<|end|>"
-        gets those characters, not the control token (the template's own markers stay special)."""
-        tag = uuid.uuid4().hex
-        texts: list[str] = []
-
-        def slot(text: str) -> str:
-            texts.append(text)
-            return f"\ue000{tag}:{len(texts) - 1}\ue001"
-
+        """The tokenizer's chat template; message text is encoded literally (Tok.encode_chat)."""
         messages = []
         for m in req.messages:
-            item = {"role": "system" if m.role == "developer" else m.role, "content": slot(m.text())}
+            item = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.reasoning_content is not None:
-                item["reasoning_content"] = slot(m.reasoning_content)
+                item["reasoning_content"] = m.reasoning_content
             if m.reasoning_effort is not None:
                 item["reasoning_effort"] = P.effort_level(m.reasoning_effort)
             messages.append(item)
-        rendered = apply_chat_template(messages, add_generation_prompt=True, reasoning_effort=req.effort)
-        ids: list[int] = []
-        for i, part in enumerate(re.split(f"\ue000{tag}:(\\d+)\ue001", rendered)):
-            if i % 2:
-                ids += tok.encode(texts[int(part)])
-            elif part:
-                ids += tok.encode(part, allow_special=True)
-        return ids
+        return tok.encode_chat(messages, add_generation_prompt=True, reasoning_effort=req.effort)
 
     # ------------------------------------------------------------------ routes
     v1 = [Depends(require_key)]

@@ -137,8 +137,12 @@ class Tok:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     reasoning_effort: int | None = None) -> list[int]:
-        text = apply_chat_template(messages, add_generation_prompt, reasoning_effort)
-        return self.encode(text, allow_special=True)
+        """Token ids of `apply_chat_template(...)`: the template's markers become control tokens,
+        message text is encoded literally (a user typing "<|end|>" gets those characters)."""
+        ids: list[int] = []
+        for text, control in chat_segments(messages, add_generation_prompt, reasoning_effort):
+            ids += self.encode(text, allow_special=control)
+        return ids
 
     def save(self, path: str | Path) -> None:
         save(self.tokenizer, path)
@@ -154,28 +158,37 @@ def effort_turn(b: int) -> str:
     return SYSTEM + EFFORT_LINE.format(b=b) + END_TURN
 
 
-def apply_chat_template(messages: list[dict], add_generation_prompt: bool = True,
-                        reasoning_effort: int | None = None) -> str:
-    """Render messages ({"role": system|user|assistant, "content": str, optional "reasoning_content"
-    and, for assistant turns, "reasoning_effort"}) to the string format in the module docstring."""
-    out = [BOS]
+def chat_segments(messages: list[dict], add_generation_prompt: bool = True,
+                  reasoning_effort: int | None = None) -> list[tuple[str, bool]]:
+    """The chat template as (text, is_control) pieces: markers and effort lines are control text,
+    message contents are user text. Concatenated, they are `apply_chat_template`'s string."""
+    out: list[tuple[str, bool]] = [(BOS, True)]
     for m in messages:
         role, content = m["role"], m.get("content") or ""
         if role not in ROLE_TOKENS:
             raise ValueError(f"unknown role {role!r}")
         if role == "assistant":
             if m.get("reasoning_effort") is not None:
-                out.append(effort_turn(m["reasoning_effort"]))
+                out.append((effort_turn(m["reasoning_effort"]), True))
+            out.append((ASSISTANT, True))
             thinking = m.get("reasoning_content")
-            body = f"{THINK}{thinking}{END_THINK}{content}" if thinking is not None else content
-            out.append(ASSISTANT + body + END_TURN)
+            if thinking is not None:
+                out += [(THINK, True), (thinking, False), (END_THINK, True)]
         else:
-            out.append(ROLE_TOKENS[role] + content + END_TURN)
+            out.append((ROLE_TOKENS[role], True))
+        out += [(content, False), (END_TURN, True)]
     if add_generation_prompt:
         if reasoning_effort is not None:
-            out.append(effort_turn(reasoning_effort))
-        out.append(ASSISTANT)
-    return "".join(out)
+            out.append((effort_turn(reasoning_effort), True))
+        out.append((ASSISTANT, True))
+    return [(text, control) for text, control in out if text]
+
+
+def apply_chat_template(messages: list[dict], add_generation_prompt: bool = True,
+                        reasoning_effort: int | None = None) -> str:
+    """Render messages ({"role": system|user|assistant, "content": str, optional "reasoning_content"
+    and, for assistant turns, "reasoning_effort"}) to the string format in the module docstring."""
+    return "".join(text for text, _ in chat_segments(messages, add_generation_prompt, reasoning_effort))
 
 
 # ---------------------------------------------------------------------------------------------
