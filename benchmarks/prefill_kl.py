@@ -21,6 +21,7 @@ import torch
 
 from dsv41 import load_config
 from dsv41.engine.cache import SequenceCache
+from dsv41.engine.cli import SHIPPED_MODEL, load_checkpoint_and_tokenizer
 from dsv41.engine.prefill import prefill
 from dsv41.engine.runner import Runner
 from dsv41.model.transformer import Transformer
@@ -58,14 +59,8 @@ def main() -> None:
     print(f"tiny (random weights): mean KL {results['tiny_random_weights']['mean_kl']:.4g}, "
           f"greedy agreement {results['tiny_random_weights']['greedy_agreement']:.0%}", flush=True)
 
-    shipped = ROOT / "models" / "dsv41-small"
-    if (shipped / "config.json").exists():
-        from dsv41.checkpoint import load_checkpoint
-        from dsv41.train.tokenizer import build_compressed_token_map, load_tokenizer
-
-        model = load_checkpoint(shipped)
-        tok = load_tokenizer(shipped / "tokenizer.json")
-        model.set_engram_token_map(*build_compressed_token_map(tok))
+    if (SHIPPED_MODEL / "config.json").exists():
+        model, tok = load_checkpoint_and_tokenizer(SHIPPED_MODEL)
         texts = [json.loads(line)["text"] for line in (ROOT / "data" / "sample" / "sotu.jsonl").open()]
         W = model.config.window_size
         prompts = []

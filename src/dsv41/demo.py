@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from dsv41.config import ConfigError
+from dsv41.engine.cli import SHIPPED_MODEL
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "models" / "dsv41-small"
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
 
 
@@ -32,8 +32,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  dsv41 demo\n  dsv41 demo --fresh --max-tokens 16\n"
                "  dsv41 demo --checkpoint runs/small/latest --prefix-store /tmp/prefix")
-    p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, metavar="DIR",
-                   help=f"checkpoint directory (default: the shipped model, {DEFAULT_CHECKPOINT.name})")
+    p.add_argument("--checkpoint", type=Path, default=SHIPPED_MODEL, metavar="DIR",
+                   help=f"checkpoint directory (default: the shipped model, {SHIPPED_MODEL.name})")
     p.add_argument("--prefix-store", type=Path, default=None, metavar="DIR",
                    help="persistent prefix store (default: ~/.cache/dsv41/prefix, or $DSV41_CACHE_DIR/prefix)")
     p.add_argument("--fresh", action="store_true", help="empty the demo's prefix store first")
@@ -68,27 +68,17 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from dsv41.checkpoint import CheckpointError, load_checkpoint
+    from dsv41.engine.cli import load_checkpoint_and_tokenizer
     from dsv41.engine.engine import Engine
     from dsv41.engine.prefix import PrefixCache
     from dsv41.engine.prefix_store import InProcessSWAPool, PersistentStore, default_cache_root
     from dsv41.engine.sampling import SamplingParams
-    from dsv41.train.tokenizer import build_compressed_token_map, load_tokenizer
 
     if args.max_tokens < 1 or args.prompt_tokens < 8:
         raise ConfigError("--max-tokens must be >= 1 and --prompt-tokens >= 8")
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
-    try:
-        model = load_checkpoint(args.checkpoint)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    tok_path = args.checkpoint / "tokenizer.json"
-    tok = load_tokenizer(tok_path) if tok_path.exists() else load_tokenizer()
-    if model.hasher is not None:
-        lookup, size = build_compressed_token_map(tok)
-        if model.config.engram_compressed_vocab_size in (0, size):
-            model.set_engram_token_map(lookup, size)
+    model, tok = load_checkpoint_and_tokenizer(args.checkpoint)
     store_dir = args.prefix_store or default_cache_root()
     if args.fresh and store_dir.exists():
         shutil.rmtree(store_dir)

@@ -74,10 +74,6 @@ def _half(c: ModelConfig, layer_id: int) -> str:
     return "encoder" if layer_id < c.encoder_layers else "decoder"
 
 
-def kv_source_layers(config: ModelConfig) -> list[int]:
-    return [p.layer_id for p in layer_plan(config) if p.mode == FULL]
-
-
 def decoder_kv_source(config: ModelConfig) -> int | None:
     """The decoder layer whose compressor turns the encoder output into the decoder's global KV."""
     srcs = [p.layer_id for p in layer_plan(config) if p.mode == FULL and p.half == "decoder"]

@@ -86,9 +86,9 @@ def _first_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     captured = {}
     original = engine._emit
 
-    def capture(req, logits):
+    def capture(reqs, logits):
         captured.setdefault("logits", logits[0].clone())
-        return original(req, logits)
+        return original(reqs, logits)
 
     engine._emit = capture
     engine.generate([prompt], max_tokens=1)

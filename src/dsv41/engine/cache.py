@@ -67,13 +67,6 @@ class PagedRows:
         stacked = torch.stack(self.pages) if len(self.pages) > 1 else self.pages[0].unsqueeze(0)
         return stacked[page, offset].view(*index.shape, self.row_bytes)
 
-    def truncate(self, n_rows: int) -> None:
-        self.n_rows = min(self.n_rows, n_rows)
-        self.pages = self.pages[: (self.n_rows + self.page_rows - 1) // self.page_rows]
-
-    @property
-    def allocated_bytes(self) -> int:
-        return len(self.pages) * self.page_rows * self.row_bytes
 
 
 def _split(rows: Tensor, packed_bytes: int) -> tuple[Tensor, Tensor]:
@@ -188,9 +181,6 @@ class SequenceCache:
     def window_bytes(self) -> int:
         return sum(w.window * w.slot_bytes for w in self.windows)
 
-    def allocated_bytes(self) -> int:
-        return sum(s.kv.allocated_bytes + s.index_k.allocated_bytes for s in self.entry_stores.values()) \
-            + self.window_bytes()
 
     def clear_windows(self, layers: range | None = None) -> None:
         for i in layers if layers is not None else range(len(self.windows)):

@@ -44,40 +44,59 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+SHIPPED_MODEL = Path(__file__).resolve().parents[3] / "models" / "dsv41-small"  # the repo's trained model
+
+
+def install_engram_map(model, tok) -> None:
+    """Give the model's Engram hasher the tokenizer's compressed vocabulary (when the sizes agree)."""
+    if model.hasher is None:
+        return
+    from dsv41.train.tokenizer import build_compressed_token_map
+
+    lookup, size = build_compressed_token_map(tok)
+    if model.config.engram_compressed_vocab_size in (0, size):
+        model.set_engram_token_map(lookup, size)
+
+
+def load_checkpoint_and_tokenizer(directory: Path, device: str = "cpu", tokenizer: Path | None = None):
+    """(model in eval mode, tokenizer) of a checkpoint directory: its own tokenizer.json unless one is
+    given, else the shipped one; Engram's token map installed. CheckpointError is a ConfigError."""
+    from dsv41.checkpoint import load_checkpoint
+
+    model = load_checkpoint(directory, device=device)
+    own = Path(directory) / "tokenizer.json"
+    return model, _tokenizer_for(model, tokenizer or (own if own.exists() else None))
+
+
+def _tokenizer_for(model, path: Path | None):
+    from dsv41.train.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+
+    path = path or DEFAULT_TOKENIZER
+    if not Path(path).exists():
+        raise ConfigError(f"tokenizer file '{path}' not found")
+    tok = load_tokenizer(path)
+    if tok.vocab_size > model.config.vocab_size:
+        raise ConfigError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+                          f"{model.config.vocab_size}")
+    install_engram_map(model, tok)
+    model.eval()
+    return tok
+
+
 def load_model_and_tokenizer(args: argparse.Namespace):
     """(model, tokenizer) from --checkpoint or --preset --random-init; raises ConfigError on misuse."""
     import torch
 
-    from dsv41.train.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.checkpoint is not None:
-        from dsv41.checkpoint import load_checkpoint
-
-        model = load_checkpoint(args.checkpoint, device=device)
-        tok_path = args.tokenizer or next((p for p in (args.checkpoint / "tokenizer.json",) if p.exists()),
-                                          DEFAULT_TOKENIZER)
-    elif args.preset is not None and args.random_init:
+        return load_checkpoint_and_tokenizer(args.checkpoint, device, args.tokenizer)
+    if args.preset is not None and args.random_init:
         from dsv41 import load_config
         from dsv41.model.transformer import Transformer
 
         model = Transformer(load_config(args.preset)).init_weights(seed=0).to(device)
-        tok_path = args.tokenizer or DEFAULT_TOKENIZER
-    else:
-        raise ConfigError("give --checkpoint DIR, or --preset NAME with --random-init")
-    if not Path(tok_path).exists():
-        raise ConfigError(f"tokenizer file '{tok_path}' not found")
-    tok = load_tokenizer(tok_path)
-    if tok.vocab_size > model.config.vocab_size:
-        raise ConfigError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
-                          f"{model.config.vocab_size}")
-    if model.hasher is not None:
-        from dsv41.train.tokenizer import build_compressed_token_map
-
-        lookup, size = build_compressed_token_map(tok)
-        if not model.config.engram_compressed_vocab_size or model.config.engram_compressed_vocab_size == size:
-            model.set_engram_token_map(lookup, size)
-    return model.eval(), tok
+        return model, _tokenizer_for(model, args.tokenizer)
+    raise ConfigError("give --checkpoint DIR, or --preset NAME with --random-init")
 
 
 def run(args: argparse.Namespace) -> int:

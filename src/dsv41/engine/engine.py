@@ -89,16 +89,16 @@ class Engine:
             t0 = time.perf_counter()
             logits = self._prefill(req)
             req.prefill_ms = (time.perf_counter() - t0) * 1e3
-            outputs.append(self._emit(req, logits.unsqueeze(0)))
+            outputs.extend(self._emit([req], logits.unsqueeze(0)))
             if not req.finished:
                 self.running.append(req)
         if decoding:
             t0 = time.perf_counter()
             logits = self.decode(decoding)
             dt = time.perf_counter() - t0
-            for b, req in enumerate(decoding):
+            for req in decoding:
                 req.decode_s += dt / len(decoding)
-                outputs.append(self._emit(req, logits[b:b + 1]))
+            outputs.extend(self._emit(decoding, logits))
         self.running = [r for r in self.running if not r.finished]
         return outputs
 
@@ -135,18 +135,24 @@ class Engine:
             r.cache.tokens.append(r.next_token)
         return self.runner.logits(h, pre_mix)
 
-    def _emit(self, req: Request, logits: Tensor) -> StepOutput:
-        token = int(sample(logits, [req.params], [req.generator])[0])
-        if token in req.params.stop_token_ids:
-            req.finished, req.finish_reason = True, "stop"
-            self._finish(req)
-            return StepOutput(req, None, True)
-        req.output.append(token)
-        req.next_token = token
-        if len(req.output) >= req.params.max_tokens:
-            req.finished, req.finish_reason = True, "length"
-            self._finish(req)
-        return StepOutput(req, token, req.finished)
+    def _emit(self, reqs: list[Request], logits: Tensor) -> list[StepOutput]:
+        """Sample one token per request from logits (B, vocab) — one call, each row with its own
+        parameters and generator — and record it."""
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        outputs = []
+        for req, token in zip(reqs, tokens):
+            if token in req.params.stop_token_ids:
+                req.finished, req.finish_reason = True, "stop"
+                self._finish(req)
+                outputs.append(StepOutput(req, None, True))
+                continue
+            req.output.append(token)
+            req.next_token = token
+            if len(req.output) >= req.params.max_tokens:
+                req.finished, req.finish_reason = True, "length"
+                self._finish(req)
+            outputs.append(StepOutput(req, token, req.finished))
+        return outputs
 
     # ------------------------------------------------------------------ simple API
     def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,

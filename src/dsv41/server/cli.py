@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from dsv41.config import ConfigError
+from dsv41.engine.cli import SHIPPED_MODEL
 
-DEFAULT_CHECKPOINT = Path("models/dsv41-small")  # what `dsv41 serve` loads without --checkpoint / --preset
+DEFAULT_CHECKPOINT = SHIPPED_MODEL  # what `dsv41 serve` loads without --checkpoint / --preset
 log = logging.getLogger("dsv41.server")
 
 
