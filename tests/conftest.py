@@ -5,8 +5,15 @@ Markers: `gpu` (needs CUDA; deselected by default via pyproject addopts), `slow`
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter; this must be set before any module
+# that defines @triton.jit functions is imported (conftest is imported before the test modules).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # relative tolerances by arithmetic
 FP32_RTOL = 1e-5

@@ -8,7 +8,7 @@ import torch
 from tests.conftest import engine_test_model
 
 from dsv41 import load_config
-from dsv41.engine.cache import SequenceCache
+from dsv41.engine.cache import CachePools, SequenceCache
 from dsv41.engine.engine import Engine
 from dsv41.engine.prefill import prefill
 from dsv41.engine.runner import Runner
@@ -45,11 +45,12 @@ def test_batched_decode_of_three_lengths_equals_full_forward():
     runner = Runner(model)
     lengths = [7, 40, 101]
     seqs, refs, toks = [], [], []
+    pools = CachePools(model.config)  # one batch reads every sequence's pages through one pool
     for n in lengths:
         t = torch.randint(3, model.config.vocab_size, (1, n + 20))
         with torch.no_grad():
             refs.append(model(t)[0])
-        seq = SequenceCache(model.config)
+        seq = SequenceCache(model.config, pools=pools)
         prefill(runner, seq, t[0, :n].tolist(), chunk=32, exact=True)
         seqs.append(seq)
         toks.append(t)

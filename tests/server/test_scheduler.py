@@ -47,6 +47,13 @@ class FakeEngine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort(self, req) -> None:
+        req.finished = True
+        req.finish_reason = req.finish_reason or "cancelled"
+        for queue in (self.running, self.waiting):
+            if req in queue:
+                queue.remove(req)
+
     def step(self):
         time.sleep(self.step_s)
         self.prefilled.append([r.id for r in self.waiting])

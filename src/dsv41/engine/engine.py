@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dsv41.engine.cache import SequenceCache
+from dsv41.engine.cache import CachePools, SequenceCache
 from dsv41.engine.prefill import prefill
 from dsv41.engine.prefix import PrefixCache
 from dsv41.engine.runner import Runner
@@ -57,6 +57,7 @@ class Engine:
         self.runner = Runner(model)
         self.prefill_chunk, self.max_batch, self.exact_prefill = prefill_chunk, max_batch, exact_prefill
         self.prefix_cache = prefix_cache
+        self.pools = CachePools(self.config, self.device)  # every running sequence's pages and ring slot
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -104,7 +105,7 @@ class Engine:
 
     def _prefill(self, req: Request) -> Tensor:
         """Prefill one request, resuming from the prefix cache when its prompt extends a stored prefix."""
-        req.cache = seq = SequenceCache(self.config, self.device)
+        req.cache = seq = SequenceCache(self.config, self.device, self.pools)
         use_cache = self.prefix_cache is not None and not req.exact_prefill
         resume = self.prefix_cache.resume(seq, req.prompt) if use_cache else None
         if resume is None:
@@ -121,6 +122,18 @@ class Engine:
         """Output end: persist the conversation's units and its window snapshot."""
         if self.prefix_cache is not None and not req.exact_prefill and req.cache is not None:
             self.prefix_cache.save(req.cache, ends=[req.cache.n_tokens])
+        if req.cache is not None:
+            req.cache.release()
+
+    def abort(self, req: Request) -> None:
+        """Drop a request wherever it is (client gone): nothing is persisted, its cache is freed."""
+        req.finished = True
+        req.finish_reason = req.finish_reason or "cancelled"
+        for queue in (self.running, self.waiting):
+            if req in queue:
+                queue.remove(req)
+        if req.cache is not None:
+            req.cache.release()
 
     def metrics(self) -> dict:
         return self.prefix_cache.metrics() if self.prefix_cache is not None else {}

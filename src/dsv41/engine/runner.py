@@ -1,18 +1,21 @@
 """Cached forward: run a range of layers over a chunk of new tokens for a batch of sequences.
 
-The model's blocks are reused as they are; only attention is replaced by `CachedAttention`, which
-reads and writes the per-sequence caches instead of seeing the whole sequence:
+The model's blocks are reused as they are; only attention is replaced by the cached version here,
+which reads and writes the per-sequence caches through `kernels.ops` (Triton on CUDA, the torch
+twins elsewhere) instead of seeing the whole sequence:
   * window keys = the layer's FP8 ring (earlier tokens) ∪ this chunk's new keys, with the bounded
     replay rule: query i sees window keys at positions [max(s, i − W + 1), i] where s is the
-    replay start (SPEC §6);
-  * a Full layer pools the chunk's complete groups (continuing its partial group), appends the
-    packed entries and index keys — unless `compress=False` (a replay over tokens whose global
-    KV is already cached: it is never recomputed nor overwritten);
-  * Full and Reindex layers score every visible cached index key (Reindex only inside the
-    candidate blocks) and publish a top-k; Reuse layers take it; the selected entries are
-    gathered from the packed store and dequantized.
+    replay start (SPEC §6). A one-token step writes its key into the ring first and reads the
+    ring alone (the slot it overwrites is already out of the window);
+  * a Full layer pools the chunk's complete groups (continuing its partial group) and writes the
+    packed entries and index keys straight into its pages (RoPE + FP4 in one op) — unless
+    `compress=False` (a replay over tokens whose global KV is already cached: it is never
+    recomputed nor overwritten);
+  * Full and Reindex layers score the packed index keys (the candidate source also picks
+    candidate blocks; Reindex layers score only inside them) and publish a top-k; Reuse layers
+    take it; the attention kernel reads the selected packed entries directly.
 All sequences of one call advance by the same number of tokens (a prefill chunk of one sequence,
-or one decode token for each of many sequences of different lengths).
+or one decode token for each of many sequences of different lengths) and share one `CachePools`.
 """
 
 from __future__ import annotations
@@ -22,27 +25,23 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dsv41.engine.cache import SequenceCache
-from dsv41.model.attention import (
-    Indexer,
-    apply_rope,
-    attend_gathered,
-    select_candidate_blocks,
-    select_topk,
-)
+from dsv41.engine.cache import CachePools, SequenceCache
+from dsv41.kernels import ops
 from dsv41.model.mhc import hc_pre, identity_pre_mix
 from dsv41.model.transformer import Transformer
 from dsv41.plan import FULL, REINDEX
-from dsv41.quant.fp8 import fake_quant_window_fp8
 
 
 @dataclass
 class StepRecord:
-    """What source layers publish during one cached forward (replaces the reference's global)."""
+    """What one cached forward shares across layers (replaces the reference's global)."""
 
+    pools: CachePools
+    ring_ids: Tensor  # (B,) ring slot of each sequence
+    start: list[int]  # first position of each row (host copy: no device sync per layer)
     topk: Tensor | None = None  # (B, T, K) entry indices, −1 = none
-    candidates: Tensor | None = None  # (B, T, Nmax) bool
-    index_keys: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # source → (keys, counts)
+    blocks: Tensor | None = None  # (B, T, kb) candidate block ids of the candidate source, −1 = none
+    tables: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # source → (kv, index, counts)
 
 
 class Runner:
@@ -65,18 +64,20 @@ class Runner:
         if layers.start == 0:
             h = model.embed(tokens).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)
             pre_mix = identity_pre_mix(h, c.hc_mult)
-        hash_ids = self._hash_ids(seqs, tokens, start) if any(
+        record = self._record(seqs, start)
+        hash_ids = self._hash_ids(seqs, tokens, record.start) if any(
             self.plans[i].engram for i in layers) else None
-        record = StepRecord()
+        entry = None  # (input, mixes) the previous block's last fused pass made for the next block
         for i in layers:
             block = model.layers[i]
             if block.engram is not None:
                 h = block.engram(h, hash_ids[:, :, model.engram_index[i]])
+                entry = None
 
             def attention(x: Tensor, i: int = i) -> Tensor:
                 return self.attention(i, x, seqs, positions, record, replay_start, compress)
 
-            h, pre_mix = block(h, pre_mix, attention)
+            h, pre_mix, entry = block(h, pre_mix, attention, entry=entry, next_fn=model.next_fn(i, layers.stop - 1))
         return h, pre_mix
 
     def logits(self, h: Tensor, pre_mix: Tensor) -> Tensor:
@@ -89,47 +90,80 @@ class Runner:
         (encoder-only prefill: the decoder's kv source reads the encoder output)."""
         positions = start.unsqueeze(1) + torch.arange(h.size(1), device=h.device)
         x = self.model.layers[layer_id].attn_input(h, pre_mix)
-        self._compress(layer_id, x, seqs, positions)
+        self._compress(layer_id, x, seqs, positions, self._record(seqs, start))
+
+    def _record(self, seqs: list[SequenceCache], start: Tensor) -> StepRecord:
+        pools = seqs[0].pools
+        if any(s.pools is not pools for s in seqs):
+            raise ValueError("sequences decoded in one batch must share one CachePools (create them "
+                             "with the same `pools`, as Engine does)")
+        return StepRecord(pools, torch.tensor([s.ring_slot for s in seqs], device=seqs[0].device), start.tolist())
 
     # ------------------------------------------------------------------ attention with caches
     def attention(self, layer_id: int, x: Tensor, seqs: list[SequenceCache], positions: Tensor,
                   record: StepRecord, replay_start: Tensor | None, compress: bool) -> Tensor:
         attn = self.model.layers[layer_id].attn
         plan = self.plans[layer_id]
+        rings = record.pools.rings
         B, T, _ = x.shape
+        W = attn.window
         cos, sin = attn.angles(positions)
         qr, q = attn.query(x, cos, sin)
-        new_kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)  # (B, T, D) before FP8
+        kv = attn.kv_norm(attn.wkv(x))  # (B, T, D) before RoPE and FP8
+        ring_rows = rings.rows[layer_id].view(-1, rings.row_bytes)  # (S·W, bytes)
+        ring_row = record.ring_ids.view(B, 1) * W + positions % W  # (B, T) where each token lands
+        chunk = None
+        if T == 1:  # write first: the slot overwritten holds position − W, outside the window
+            ops.rope_quantize(kv, cos, sin, "window_fp8", ring_rows, ring_row)
+            rings.positions[layer_id].view(-1)[ring_row.view(-1)] = positions.view(-1)
+        else:
+            chunk = torch.empty(B * T, rings.row_bytes, dtype=torch.uint8, device=x.device)
+            ops.rope_quantize(kv, cos, sin, "window_fp8", chunk, torch.arange(B * T, device=x.device).view(B, T))
+            chunk = chunk.view(B, T, -1)
 
-        # window keys: ring (earlier positions) ∪ this chunk, under the bounded-replay rule
-        rings = [s.windows[layer_id].read() for s in seqs]
-        ring_kv = torch.stack([r[0] for r in rings]).to(x.dtype)  # (B, W, D)
-        ring_pos = torch.stack([r[1] for r in rings])  # (B, W)
-        keys = torch.cat((ring_kv, fake_quant_window_fp8(new_kv)), dim=1)
-        key_pos = torch.cat((ring_pos, positions), dim=1)  # (B, W + T)
-        qpos, kpos = positions.unsqueeze(-1), key_pos.unsqueeze(1)
-        mask = (kpos >= 0) & (kpos <= qpos) & (kpos > qpos - attn.window)
-        if replay_start is not None:
-            mask &= kpos >= replay_start.view(B, 1, 1)
-        for b, s in enumerate(seqs):
-            s.windows[layer_id].write(new_kv[b], positions[b])
-
-        entries = valid = None
+        entry_args = {}
         if plan.ratio:
             if plan.mode == FULL and compress:
-                self._compress(layer_id, x, seqs, positions)
+                self._compress(layer_id, x, seqs, positions, record)
             if plan.mode in (FULL, REINDEX):
                 record.topk = self._index(layer_id, x, qr, seqs, positions, record)
-            entries, valid = self._gather(plan.kv_source, seqs, record.topk)
-        o = attend_gathered(q, keys, mask, entries, valid, attn.attn_sink, attn.scale)
+            kv_table = self._tables(plan.kv_source, seqs, record)[0]
+            entry_args = dict(entry_pool=record.pools.kv[plan.kv_source].rows, page_table=kv_table,
+                              page_rows=record.pools.kv[plan.kv_source].page_rows, topk=record.topk)
+        o = ops.sparse_attention(q, positions, attn.attn_sink, attn.scale, W, ring_kv=rings.rows[layer_id],
+                                 ring_pos=rings.positions[layer_id], ring_ids=record.ring_ids, chunk_kv=chunk,
+                                 window_start=replay_start, **entry_args)
+        if chunk is not None:  # now the chunk's last W keys replace the oldest ring slots
+            last_w = torch.arange(T, device=x.device) >= T - W
+            keep = ring_row[:, last_w].reshape(-1)
+            ring_rows[keep] = chunk[:, last_w].reshape(-1, rings.row_bytes)
+            rings.positions[layer_id].view(-1)[keep] = positions[:, last_w].reshape(-1)
         return attn.output(o, cos, sin)
 
-    def _compress(self, layer_id: int, x: Tensor, seqs: list[SequenceCache], positions: Tensor) -> None:
-        """Pool each sequence's newly completed groups and append them to its packed store."""
+    def _tables(self, source: int, seqs: list[SequenceCache], record: StepRecord) -> tuple[Tensor, Tensor, Tensor]:
+        """(kv page table, index-key page table) (B, max pages) int32 and entry counts (B,) of a kv
+        source, built once per call after the source has written."""
+        if source not in record.tables:
+            stores = [s.entry_stores[source] for s in seqs]
+
+            def table(ids: list[list[int]]) -> Tensor:
+                width = max(1, max(len(i) for i in ids))
+                return torch.tensor([i + [0] * (width - len(i)) for i in ids], dtype=torch.int32)
+
+            device = seqs[0].device
+            record.tables[source] = (table([st.kv.page_ids for st in stores]).to(device),
+                                     table([st.index_k.page_ids for st in stores]).to(device),
+                                     torch.tensor([st.n_entries for st in stores]).to(device))
+        return record.tables[source]
+
+    def _compress(self, layer_id: int, x: Tensor, seqs: list[SequenceCache], positions: Tensor,
+                  record: StepRecord) -> None:
+        """Pool each sequence's newly completed groups; write entries and index keys into its pages."""
         attn = self.model.layers[layer_id].attn
         comp, m = attn.compressor, attn.ratio
+        latents, starts, kv_rows, index_rows = [], [], [], []
         for b, s in enumerate(seqs):
-            xb, first = x[b], int(positions[b, 0])
+            xb, first = x[b], record.start[b]
             if m == 1:
                 latent, group_start = comp.norm(comp.wkv(xb)), positions[b]
             else:
@@ -146,58 +180,52 @@ class Runner:
                 pooled = comp.pool(kv[:n * m].view(n, m, -1), score[:n * m].view(n, m, -1))
                 latent = comp.norm(pooled.to(x.dtype))
                 group_start = group0 + m * torch.arange(n, device=x.device)
-            ent, index_k = attn.entries(latent, group_start, quant=False)
-            s.entry_stores[layer_id].append(ent.float(), index_k.float())
+            store = s.entry_stores[layer_id]
+            latents.append(latent)
+            starts.append(group_start)
+            kv_rows.append(store.kv.reserve(latent.size(0)))
+            index_rows.append(store.index_k.reserve(latent.size(0)))
+        record.tables.pop(layer_id, None)
+        if not latents:
+            return
+        latent = torch.cat(latents).unsqueeze(0)  # (1, N, D) pre-RoPE
+        cos, sin = attn.angles(torch.cat(starts).unsqueeze(0))  # rotated at each group's first position
+        index_k = attn.indexer.k_norm(attn.indexer.wk(latent))  # (1, N, Di) pre-RoPE
+        ops.rope_quantize(latent, cos, sin, "kv_fp4", record.pools.kv[layer_id].rows, torch.cat(kv_rows)[None])
+        ops.rope_quantize(index_k, cos, sin, "index_fp4", record.pools.index[layer_id].rows,
+                          torch.cat(index_rows)[None])
 
     def _index(self, layer_id: int, x: Tensor, qr: Tensor, seqs: list[SequenceCache], positions: Tensor,
                record: StepRecord) -> Tensor:
         """Top-k entry indices (B, T, K) for every query; candidate blocks at the candidate source."""
         attn = self.model.layers[layer_id].attn
         plan = self.plans[layer_id]
-        m = attn.ratio
-        if plan.kv_source not in record.index_keys:  # dequantize a source's keys once per call
-            keys = [s.entry_stores[plan.kv_source].index_keys() for s in seqs]
-            counts = torch.tensor([k.size(0) for k in keys], device=x.device)
-            n_max = max(int(counts.max()), 1)
-            padded = torch.zeros(len(seqs), n_max, self.config.index_head_dim, device=x.device)
-            for b, k in enumerate(keys):
-                padded[b, :k.size(0)] = k
-            record.index_keys[plan.kv_source] = (padded, counts)
-        keys, counts = record.index_keys[plan.kv_source]
+        pool = record.pools.index[plan.kv_source]
+        _, tables, counts = self._tables(plan.kv_source, seqs, record)
+        n_max = max(s.entry_stores[plan.kv_source].n_entries for s in seqs)
         cos, sin = attn.angles(positions)
-        iq = attn.indexer.queries(qr, cos, sin, True)
-        scores = Indexer.scores(iq, attn.indexer.head_weights(x), keys)  # (B, T, N)
-        n = keys.size(1)
-        s_idx = torch.arange(n, device=x.device)
-        visible = (s_idx < ((positions + 1) // m).unsqueeze(-1)) & (s_idx < counts.view(-1, 1, 1))
-        scores = scores.masked_fill(~visible, float("-inf"))
+        iq = attn.indexer.queries(qr, cos, sin, True)  # (B, T, Hi, Di) FP4 values
+        weights = attn.indexer.head_weights(x)  # (B, T, Hi)
+        visible_end = (positions + 1) // attn.ratio  # entries before it have completed
+        bs = attn.candidate_block_size
+        if plan.uses_candidates and not plan.candidate_source:
+            scores = ops.indexer_scores_blocks(iq, weights, pool.rows, tables, pool.page_rows, counts, visible_end,
+                                               record.blocks, bs)
+            ids = record.blocks.unsqueeze(-1) * bs + torch.arange(bs, device=x.device)  # (B, T, kb, bs)
+            return ops.topk_indices(scores, attn.index_topk, ids.flatten(-2))
+        scores, block_max = ops.indexer_scores(iq, weights, pool.rows, tables, pool.page_rows, counts, visible_end,
+                                               n_max, bs if plan.candidate_source else 0)
         if plan.candidate_source:
-            bs = attn.candidate_block_size
-            block_id = (s_idx // bs).expand(len(seqs), n)
-            newest = torch.where(visible.any(-1), ((positions + 1) // m - 1) // bs, -1)
-            keep = select_candidate_blocks(scores, block_id, (n + bs - 1) // bs, newest, attn.candidate_topk_blocks)
-            record.candidates = keep & visible
-        elif plan.uses_candidates:
-            scores = scores.masked_fill(~record.candidates, float("-inf"))
-        return select_topk(scores, attn.index_topk)
+            n_visible = torch.minimum(visible_end, counts.view(-1, 1))
+            newest = torch.where(n_visible > 0, (n_visible - 1) // bs, -1)
+            record.blocks = ops.select_blocks(block_max, newest, attn.candidate_topk_blocks)
+        return ops.topk_indices(scores, attn.index_topk)
 
-    def _gather(self, source: int, seqs: list[SequenceCache], topk: Tensor) -> tuple[Tensor, Tensor]:
-        """Dequantized selected entries (B, T, K, D) and their validity (B, T, K)."""
-        valid = topk >= 0
-        out = torch.zeros(*topk.shape, self.config.head_dim, device=topk.device)
-        for b, s in enumerate(seqs):
-            store = s.entry_stores[source]
-            if store.n_entries and bool(valid[b].any()):
-                out[b] = store.entries(topk[b].clamp(min=0))
-        return out, valid
-
-    def _hash_ids(self, seqs: list[SequenceCache], tokens: Tensor, start: Tensor) -> Tensor:
+    def _hash_ids(self, seqs: list[SequenceCache], tokens: Tensor, start: list[int]) -> Tensor:
         k = self.config.engram_max_ngram_size - 1
-        history = torch.full((len(seqs), k), -1, dtype=torch.long, device=tokens.device)
-        for b, s in enumerate(seqs):
-            st = int(start[b])
+        rows = []
+        for s, st in zip(seqs, start):
             prev = s.tokens[max(0, st - k):st]
-            if prev:
-                history[b, k - len(prev):] = torch.tensor(prev, device=tokens.device)
+            rows.append([-1] * (k - len(prev)) + prev)
+        history = torch.tensor(rows, dtype=torch.long, device=tokens.device)  # (B, k), −1 = before the start
         return self.model.hasher(tokens, history=history)
-

@@ -34,12 +34,17 @@ def hc_split_sinkhorn(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult:
     return pre, post, comb
 
 
-def hc_mixes(x: Tensor, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, *, norm_eps: float, hc_mult: int,
-             iters: int, hc_eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Coefficients from the stream x (B, T, n, d): projection of flatten(x), divided by its RMS."""
+def hc_project(x: Tensor, hc_fn: Tensor, norm_eps: float) -> Tensor:
+    """Projection of flatten(x) (B, T, n, d), divided by its RMS: (B, T, (2+n)·n) fp32."""
     flat = x.flatten(-2).float()  # (B, T, n·d)
     rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = F.linear(flat, hc_fn.float()) * rsqrt  # (B, T, (2+n)·n)
+    return F.linear(flat, hc_fn.float()) * rsqrt  # (B, T, (2+n)·n)
+
+
+def hc_mixes(x: Tensor, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, *, norm_eps: float, hc_mult: int,
+             iters: int, hc_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Coefficients from the stream x (B, T, n, d): Sinkhorn split of `hc_project`."""
+    mixes = hc_project(x, hc_fn, norm_eps)
     return hc_split_sinkhorn(mixes, hc_scale.float(), hc_base.float(), hc_mult, iters, hc_eps)
 
 

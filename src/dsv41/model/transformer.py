@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv41.config import ModelConfig
+from dsv41.kernels import ops
 from dsv41.model.attention import Attention
 from dsv41.model.engram import Engram, NgramHasher
-from dsv41.model.mhc import hc_mixes, hc_post, hc_pre, identity_pre_mix
+from dsv41.model.mhc import hc_pre, identity_pre_mix
 from dsv41.model.moe import MoE
 from dsv41.model.norm import RMSNorm
 from dsv41.model.state import ForwardContext
@@ -57,9 +58,13 @@ class Block(nn.Module):
         self.hc_ffn_scale = nn.Parameter(torch.ones(3))
         self._hc = dict(norm_eps=c.norm_eps, hc_mult=c.hc_mult, iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps)
 
+    def split(self, mixes: Tensor, which: str) -> tuple[Tensor, Tensor, Tensor]:
+        """Sinkhorn split of projected mixes into (pre, post, comb) with this sublayer's scale/base."""
+        scale, base = getattr(self, f"hc_{which}_scale"), getattr(self, f"hc_{which}_base")
+        return ops.mhc_split(mixes, scale, base, self.hc_mult, self._hc["iters"], self._hc["hc_eps"])
+
     def mixes(self, h: Tensor, which: str) -> tuple[Tensor, Tensor, Tensor]:
-        fn, scale, base = (getattr(self, f"hc_{which}_{p}") for p in ("fn", "scale", "base"))
-        return hc_mixes(h, fn, scale, base, **self._hc)
+        return self.split(ops.mhc_mixes(h, getattr(self, f"hc_{which}_fn"), self._hc["norm_eps"]), which)
 
     def attn_input(self, h: Tensor, pre_mix: Tensor) -> Tensor:
         """The attention sublayer's normalized input (what a kv source compresses)."""
@@ -68,17 +73,31 @@ class Block(nn.Module):
         return self.attn_norm(hc_pre(h, pre_mix))
 
     def forward(self, h: Tensor, pre_mix: Tensor, attention: Callable[[Tensor], Tensor],
-                image_mask: Tensor | None = None, token_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                image_mask: Tensor | None = None, token_mask: Tensor | None = None,
+                entry: tuple[Tensor, Tensor | None] | None = None, next_fn: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor | None]]:
         """h: (B, T, n, d) streams; pre_mix: (B, T, n) made by the previous sublayer; `attention`
         maps the normalized input to the attention output (the model's full-sequence attention or
-        the engine's cached one)."""
-        attn_pre, attn_post, attn_comb = self.mixes(h, "attn")
-        x = self.attn_norm(hc_pre(h, pre_mix if self.single_pass else attn_pre))
-        h = hc_post(attention(x), h, attn_post, attn_comb)
-        ffn_pre, ffn_post, ffn_comb = self.mixes(h, "ffn")
-        x = self.ffn_norm(hc_pre(h, attn_pre if self.single_pass else ffn_pre))
-        h = hc_post(self.ffn(x, image_mask=image_mask, token_mask=token_mask), h, ffn_post, ffn_comb)
-        return h, ffn_pre
+        the engine's cached one). Each hand-over between sublayers is one fused pass over the
+        streams (`ops.mhc_post`: residual update, next sublayer's input, next coefficients).
+        `entry` = (collapsed input, attention mixes) when the previous block's last pass made
+        them; `next_fn` = the next block's hc_attn_fn when nothing changes h before it.
+        Returns (h, pre_mix, entry for the next block)."""
+        eps = self._hc["norm_eps"]
+        if entry is None or entry[1] is None:
+            entry = (hc_pre(h, pre_mix), ops.mhc_mixes(h, self.hc_attn_fn, eps))
+        x, mixes = entry
+        attn_pre, attn_post, attn_comb = self.split(mixes, "attn")
+        if not self.single_pass:
+            x = hc_pre(h, attn_pre)
+        f = attention(self.attn_norm(x))
+        h, x, mixes = ops.mhc_post(h, f, attn_post, attn_comb, attn_pre, self.hc_ffn_fn, eps)
+        ffn_pre, ffn_post, ffn_comb = self.split(mixes, "ffn")
+        if not self.single_pass:
+            x = hc_pre(h, ffn_pre)
+        f = self.ffn(self.ffn_norm(x), image_mask=image_mask, token_mask=token_mask)
+        h, x, mixes = ops.mhc_post(h, f, ffn_post, ffn_comb, ffn_pre, next_fn, eps)
+        return h, ffn_pre, (x, mixes)
 
 
 @dataclass
@@ -120,11 +139,23 @@ class Transformer(nn.Module):
         engram_mask = None if image_mask is None else ~image_mask
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)  # (B, T, n, d)
         pre_mix = identity_pre_mix(h, self.config.hc_mult)
+        entry = None
         for layer in self.layers:
             if layer.engram is not None:
                 h = layer.engram(h, hash_ids[:, :, self.engram_index[layer.layer_id]], engram_mask)
-            h, pre_mix = layer(h, pre_mix, partial(layer.attn, ctx=ctx), image_mask=image_mask, token_mask=token_mask)
-        return hc_pre(h, pre_mix)
+                entry = None  # Engram changed the streams: the next block projects them itself
+            h, pre_mix, entry = layer(h, pre_mix, partial(layer.attn, ctx=ctx), image_mask=image_mask,
+                                      token_mask=token_mask, entry=entry, next_fn=self.next_fn(layer.layer_id))
+        return entry[0]  # the last pass already collapsed the streams with the last pre-mix
+
+    def next_fn(self, layer_id: int, last: int | None = None) -> Tensor | None:
+        """hc_attn_fn of the block after `layer_id` when its projection can fuse into this block's
+        last pass (it exists, is ≤ `last`, and no Engram touches the streams in between)."""
+        nxt = layer_id + 1
+        last = len(self.layers) - 1 if last is None else last
+        if nxt > last or self.layers[nxt].engram is not None:
+            return None
+        return self.layers[nxt].hc_attn_fn
 
     def head_logits(self, hidden: Tensor) -> Tensor:
         return F.linear(self.norm(hidden).float(), self.head.weight.float())

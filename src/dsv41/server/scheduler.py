@@ -20,7 +20,7 @@ A cancelled request (client gone, stop string matched) is removed from the engin
 between steps, and its reservation is released. A request past its deadline is cut: still queued →
 `Failure(503, "timeout")`; already generating → `Finish("length")` with the tokens produced so far.
 
-Policy only: no torch here. The engine is used through `add_request`, `step`, `running`, `waiting`.
+Policy only: no torch here. The engine is used through `add_request`, `step`, `abort`, `running`, `waiting`.
 """
 
 from __future__ import annotations
@@ -303,11 +303,7 @@ class Scheduler:
         req = ticket.request
         if req is None:
             return
-        req.finished = True
-        req.finish_reason = req.finish_reason or "cancelled"
-        for pool in (self.engine.running, self.engine.waiting):
-            if req in pool:
-                pool.remove(req)
+        self.engine.abort(req)
 
     def _drop(self, ticket: Ticket, reason: str) -> None:
         """A cancelled ticket: out of the queue or the engine, reservation released, nothing delivered."""

@@ -1,0 +1,84 @@
+"""Benchmark cases of the single-pass mHC kernels (SPEC §5): Mega-mHC pass, projection, Sinkhorn split.
+
+Work is the minimum bytes moved: mhc_post reads h (n·d) + f (d) and writes h_new (n·d) + x (d) —
+(2n+2)·d elements per token — plus the per-token coefficients (post n, comb n², pre n fp32) and
+mixes ((2+n)·n fp32), and hc_fn once. The Triton op should run near the copy ceiling; the torch
+twin is the eager multi-pass composition (fp32 intermediates) the model used before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.kernels.ref import mhc as twin
+from dsv41.kernels.triton import mhc as fused
+
+N = 4
+K = (2 + N) * N
+
+
+def _streams(B: int, T: int, d: int, device: torch.device, seed: int):
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(B, T, N, d, generator=g, device=device).bfloat16()
+    f = torch.randn(B, T, d, generator=g, device=device).bfloat16()
+    post = 2 * torch.rand(B, T, N, generator=g, device=device)
+    comb = torch.softmax(torch.randn(B, T, N, N, generator=g, device=device), dim=-1)
+    pre = torch.rand(B, T, N, generator=g, device=device)
+    fn = 0.01 * torch.randn(K, N * d, generator=g, device=device)
+    return h, f, post, comb, pre, fn
+
+
+def _post_case(name: str, B: int, T: int, d: int, device: torch.device, with_fn: bool, note: str) -> dict:
+    h, f, post, comb, pre, fn = _streams(B, T, d, device, seed=B * T + d)
+    fn = fn if with_fn else None
+    M = B * T
+    per_token = (2 * N + 2) * d * 2 + (2 * N + N * N) * 4 + (K * 4 if with_fn else 0)  # streams + coefficients
+    work = M * per_token + (K * N * d * 4 if with_fn else 0)  # + hc_fn once
+
+    @torch.no_grad()
+    def run_triton():
+        return fused.mhc_post(h, f, post, comb, pre, fn, 1e-6)
+
+    @torch.no_grad()
+    def run_torch():
+        return twin.mhc_post(h, f, post, comb, pre, fn, 1e-6)
+
+    return dict(name=name, shape=f"B={B} T={T} n={N} d={d} bf16" + ("" if with_fn else " no hc_fn"), unit="byte",
+                work=work, ceiling="copy", triton=run_triton, torch=run_torch, note=note)
+
+
+def cases(device: torch.device) -> list[dict]:
+    out = [
+        _post_case("mhc_post prefill", 1, 16384, 5120, device, True,
+                   "bandwidth-bound if the 24-output projection (3 bf16 MMAs per fp32 product, ~10 FLOP/B) "
+                   "overlaps the stream; 256 programs of 64 tokens, hc_fn from L2"),
+        _post_case("mhc_post prefill, last pass", 1, 16384, 5120, device, False,
+                   "pure stream: residual update + collapse, no projection"),
+        _post_case("mhc_post small preset", 4, 16384, 384, device, True,
+                   "d = 384: 6 chunks per token tile, coefficient loads and the hc_fn split weigh more"),
+        _post_case("mhc_post decode batch", 128, 1, 5120, device, True,
+                   "13 MB: L2-resident, launch-bound; 2 token tiles × 80 d spans (160 programs) + finish kernel"),
+        _post_case("mhc_post decode B=1", 1, 1, 5120, device, True,
+                   "one token: pure latency (two launches), reported for the decode step budget"),
+    ]
+
+    h, *_, fn = _streams(1, 16384, 5120, device, seed=7)
+    M, d = h.shape[0] * h.shape[1], h.shape[-1]
+    out.append(dict(
+        name="mhc_mixes prefill", shape=f"B=1 T=16384 n={N} d={d} bf16", unit="byte",
+        work=M * (N * d * 2 + K * 4) + K * N * d * 4, ceiling="copy",
+        triton=torch.no_grad()(lambda: fused.mhc_mixes(h, fn, 1e-6)),
+        torch=torch.no_grad()(lambda: twin.mhc_mixes(h, fn, 1e-6)),
+        note="read-only stream of h; the projection is the same MMA work per byte ×2 as in mhc_post"))
+
+    g = torch.Generator(device=device).manual_seed(8)
+    mixes = torch.randn(1, 16384, K, generator=g, device=device)
+    scale = 0.5 + torch.rand(3, generator=g, device=device)
+    base = torch.randn(K, generator=g, device=device)
+    out.append(dict(
+        name="mhc_split prefill", shape=f"T=16384 n={N} iters=20", unit="byte",
+        work=16384 * (K + 2 * N + N * N) * 4, ceiling="copy",
+        triton=torch.no_grad()(lambda: fused.mhc_split(mixes, scale, base, N, 20, 1e-6)),
+        torch=torch.no_grad()(lambda: twin.mhc_split(mixes, scale, base, N, 20, 1e-6)),
+        note="3 MB: launch/latency-bound (20 dependent Sinkhorn rounds in registers); the twin launches ~90 kernels"))
+    return out

@@ -1,0 +1,1 @@
+"""Kernels behind one boundary: `ops` dispatches to Triton (CUDA) or the torch twins in `ref`."""

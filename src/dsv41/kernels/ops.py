@@ -1,0 +1,217 @@
+"""The kernel boundary: every fused operation the model and engine use, dispatched per call.
+
+Each op has a torch twin in `dsv41.kernels.ref` (the executable spec, any device, autograd-safe)
+and a Triton implementation in `dsv41.kernels.triton` (Hopper). Dispatch:
+
+* ``auto`` (default) — Triton when Triton is importable, every tensor argument is on CUDA and no
+  argument needs a gradient; the twin otherwise (CPU, training).
+* ``triton`` — always Triton (on CPU tensors this needs ``TRITON_INTERPRET=1``; tests use it).
+* ``torch`` — always the twin.
+
+Choose with the ``DSV41_KERNELS`` environment variable or, scoped, ``with use_backend("torch"):``
+(a context variable: per thread / task, never a module global the model depends on).
+
+Storage formats read and written here (SPEC §1a, §4), one uint8 row per token or entry:
+  * window KV: ``D`` E4M3 bytes then ``D/32`` E8M0 scale bytes (528 B for D = 512);
+  * main KV entry: ``D/2`` packed E2M1 bytes (element 2i in the low nibble) then ``D/16`` E4M3
+    scale bytes (288 B);
+  * index key: ``Di/2`` packed E2M1 bytes then ``Di/32`` E8M0 scale bytes (68 B for Di = 128).
+Entries live in a paged pool shared by the sequences of one engine: entry ``e`` of sequence ``b``
+is row ``page_table[b, e // page_rows] * page_rows + e % page_rows`` of the pool.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+from torch import Tensor
+
+BACKENDS = ("auto", "triton", "torch")
+
+try:  # Triton is optional: CPU-only installs run the twins
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    HAVE_TRITON = False
+
+
+def _initial_backend() -> str:
+    name = os.environ.get("DSV41_KERNELS", "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"DSV41_KERNELS must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+_DEFAULT_BACKEND = _initial_backend()
+_backend: ContextVar[str] = ContextVar("dsv41_kernels_backend", default=_DEFAULT_BACKEND)
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force ``auto`` / ``triton`` / ``torch`` inside the block (this thread / task only)."""
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
+    token = _backend.set(name)
+    try:
+        yield
+    finally:
+        _backend.reset(token)
+
+
+def backend() -> str:
+    return _backend.get()
+
+
+def _use_triton(*tensors: Tensor | None) -> bool:
+    choice = _backend.get()
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        if not HAVE_TRITON:
+            raise RuntimeError("kernel backend 'triton' was forced but Triton is not installed")
+        return True
+    present = [t for t in tensors if t is not None]
+    if not HAVE_TRITON or not present or not all(t.is_cuda for t in present):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
+
+
+def _impl(family: str, name: str, *tensors: Tensor | None):
+    """The function `name` of kernels.triton.<family> or kernels.ref.<family>."""
+    package = "triton" if _use_triton(*tensors) else "ref"
+    return getattr(importlib.import_module(f"dsv41.kernels.{package}.{family}"), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse attention (SPEC §3): one softmax over window keys ∪ selected compressed entries + sink.
+
+
+def sparse_attention(q: Tensor, q_pos: Tensor, sink: Tensor, scale: float, window: int, *,
+                     ring_kv: Tensor | None = None, ring_pos: Tensor | None = None, ring_ids: Tensor | None = None,
+                     chunk_kv: Tensor | None = None, window_start: Tensor | None = None,
+                     entry_pool: Tensor | None = None, page_table: Tensor | None = None, page_rows: int = 0,
+                     topk: Tensor | None = None) -> Tensor:
+    """MQA over the latent: keys = values = window KV (FP8) ∪ the top-k entries (packed FP4).
+
+    q (B, T, H, D) at absolute positions q_pos (B, T). Window keys come from two places:
+      * ring_kv (S, W, D + D/32) rows with positions ring_pos (S, W) (−1 = empty); sequence b reads
+        ring slot ring_ids[b];
+      * chunk_kv (B, T, D + D/32): this call's own new keys, at positions q_pos (prefill chunks).
+    A window key at position p is visible to a query at position t iff
+    ``max(0, window_start[b]) <= p <= t`` and ``p > t - window``.
+    Entries: topk (B, T, K) entry indices (−1 = none) into the paged `entry_pool` rows
+    (D/2 + D/16 bytes). sink (H,) only adds exp(sink) to the denominator. Softmax in fp32;
+    returns (B, T, H, D) in q's dtype (a query with no visible key returns zeros).
+    """
+    fn = _impl("attention", "sparse_attention", q, ring_kv, chunk_kv, entry_pool, topk)
+    return fn(q, q_pos, sink, scale, window, ring_kv=ring_kv, ring_pos=ring_pos, ring_ids=ring_ids,
+              chunk_kv=chunk_kv, window_start=window_start, entry_pool=entry_pool, page_table=page_table,
+              page_rows=page_rows, topk=topk)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning indexer (SPEC §3): FP4 queries × FP4 keys, ReLU, per-head weights; top-k; blocks.
+
+
+def indexer_scores(q: Tensor, weights: Tensor, key_pool: Tensor, page_table: Tensor, page_rows: int,
+                   n_keys: Tensor, visible_end: Tensor, n_max: int, block_size: int = 0
+                   ) -> tuple[Tensor, Tensor | None]:
+    """score[b, t, e] = Σ_h weights[b, t, h] · relu(q[b, t, h] · key_e) over every key of the pool.
+
+    q (B, T, Hi, Di) holds FP4-fake-quantized values (exact in bf16); weights (B, T, Hi) fp32;
+    key_pool rows (Di/2 + Di/32) paged as the entries; key e of sequence b is visible to query t iff
+    e < min(visible_end[b, t], n_keys[b]). Returns (scores (B, T, n_max) fp32 with −inf where not
+    visible, block_max (B, T, ceil(n_max / block_size)) fp32 max of each block's scores, or None when
+    block_size is 0).
+    """
+    fn = _impl("indexer", "indexer_scores", q, key_pool)
+    return fn(q, weights, key_pool, page_table, page_rows, n_keys, visible_end, n_max, block_size)
+
+
+def indexer_scores_blocks(q: Tensor, weights: Tensor, key_pool: Tensor, page_table: Tensor, page_rows: int,
+                          n_keys: Tensor, visible_end: Tensor, blocks: Tensor, block_size: int) -> Tensor:
+    """Scores inside selected blocks only (Reindex layers): blocks (B, T, nb) block ids (−1 = none).
+
+    Returns (B, T, nb · block_size) fp32: column j scores entry blocks[.., j // bs]·bs + j % bs,
+    −inf where the block is −1 or the entry is not visible (as in `indexer_scores`).
+    """
+    fn = _impl("indexer", "indexer_scores_blocks", q, key_pool)
+    return fn(q, weights, key_pool, page_table, page_rows, n_keys, visible_end, blocks, block_size)
+
+
+def topk_indices(scores: Tensor, k: int, ids: Tensor | None = None) -> Tensor:
+    """The k best columns of scores (B, T, N) per row, ties broken towards the lower column.
+
+    Returns (B, T, k) int64: the picked columns (or ids[..., column] when `ids` (B, T, N) is given)
+    in ascending order, picks whose score is −inf replaced by −1 and moved to the end; k > N pads
+    with −1. Equals `model.attention.select_topk` (ids ascending along N keep that true).
+    """
+    fn = _impl("indexer", "topk_indices", scores)
+    return fn(scores, k, ids)
+
+
+def select_blocks(block_max: Tensor, newest: Tensor, k_blocks: int) -> Tensor:
+    """Candidate blocks (level one of the hierarchical indexer): the block holding the query's
+    newest visible entry (newest (B, T), −1 = none) is pinned, then the best blocks by block_max
+    (B, T, nb) (ties → lower block). Returns (B, T, k_blocks) int64 ascending block ids, −1 padded;
+    blocks whose max is −inf are never picked unless pinned."""
+    nb = block_max.size(-1)
+    pin = torch.arange(nb, device=block_max.device) == newest.unsqueeze(-1)
+    return topk_indices(block_max.masked_fill(pin, float("inf")), k_blocks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Single-pass mHC (SPEC §5): one pass over the streams after a sublayer.
+
+
+def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor | None,
+             norm_eps: float) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Residual update, input mixing and the next coefficient projection, reading h once.
+
+    h (B, T, n, d), f (B, T, d) the sublayer output, post (B, T, n), comb (B, T, n, n), pre (B, T, n)
+    fp32 (the pre-mix the *next* sublayer uses), hc_fn ((2+n)·n, n·d) fp32 or None. Returns
+      h_new = post_j·f + Σ_i comb_ij·h_i  (B, T, n, d) in f's dtype (fp32 math, one rounding),
+      x     = Σ_j pre_j·h_new_j          (B, T, d) in f's dtype,
+      mixes = (flatten(h_new) @ hc_fnᵀ)·rsqrt(mean(flatten(h_new)²) + norm_eps)  (B, T, (2+n)·n)
+              fp32 from the rounded h_new, or None when hc_fn is None.
+    """
+    fn = _impl("mhc", "mhc_post", h, f, post, comb, pre, hc_fn)
+    return fn(h, f, post, comb, pre, hc_fn, norm_eps)
+
+
+def mhc_mixes(h: Tensor, hc_fn: Tensor, norm_eps: float) -> Tensor:
+    """The coefficient projection alone: (flatten(h) @ hc_fnᵀ)·rsqrt(mean(flatten(h)²) + eps), fp32."""
+    return _impl("mhc", "mhc_mixes", h, hc_fn)(h, hc_fn, norm_eps)
+
+
+def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int, eps: float
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """Sinkhorn split of (..., (2+n)·n) mixes into pre (..., n), post (..., n), comb (..., n, n);
+    equals `model.mhc.hc_split_sinkhorn`."""
+    return _impl("mhc", "mhc_split", mixes, hc_scale, hc_base)(mixes, hc_scale, hc_base, hc_mult, iters, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache writes (SPEC §1a, §4): RoPE + quantize + pack, straight into cache rows.
+
+CACHE_FORMATS = ("window_fp8", "kv_fp4", "index_fp4")
+
+
+def rope_quantize(x: Tensor, cos: Tensor, sin: Tensor, fmt: str, out_rows: Tensor, row_index: Tensor) -> None:
+    """Rotate, quantize and store: x (B, T, D) pre-RoPE → rows out_rows[row_index[b, t]].
+
+    The last 2·cos.size(-1) channels of x rotate as adjacent pairs by (cos, sin) (B, T, R/2) in fp32
+    and are rounded to x's dtype (as `model.rope.apply_rope`), then quantized by `fmt`:
+    ``window_fp8`` (`quant.fp8.quantize_fp8`), ``kv_fp4`` (`quantize_fp4`, block 16, E4M3) or
+    ``index_fp4`` (block 32, E8M0), and written as [payload | scales] into out_rows (M, row_bytes)
+    uint8. row_index (B, T) int64; −1 skips the token. Bit-identical to the twin.
+    """
+    if fmt not in CACHE_FORMATS:
+        raise ValueError(f"rope_quantize: fmt must be one of {CACHE_FORMATS}, got {fmt!r}")
+    _impl("cache_write", "rope_quantize", x, out_rows)(x, cos, sin, fmt, out_rows, row_index)

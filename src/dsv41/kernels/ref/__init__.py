@@ -1,0 +1,1 @@
+"""Torch twins of the kernels: the executable spec, any device, autograd-safe."""

@@ -1,0 +1,563 @@
+"""Lightning indexer in Triton (SPEC §3): FP4 scores over paged keys, block maxima, exact top-k.
+
+Scores. score[b, t, e] = Σ_h w[b, t, h] · relu(q[b, t, h] · key_e); a key is a pool row of Di/2
+packed E2M1 bytes (element 2i in the low nibble) + Di/32 E8M0 scale bytes, entry e of sequence b
+at row page_table[b, e // page_rows] · page_rows + e % page_rows; e ≥ min(visible_end[b, t],
+n_keys[b]) scores −inf. `_scores_kernel` runs on a grid (⌈tiles / TILES⌉, ⌈T / BLOCK_T⌉, B): a
+program prepares its BLOCK_T queries × Hi heads once (the N side of `tl.dot`, heads padded to HP)
+and walks TILES tiles of BLOCK_N keys. BLOCK_N divides page_rows, so a tile is one page lookup and
+BLOCK_N · (Di/2 + Di/32) contiguous bytes. Per tile and 32-channel scale block c:
+  * ``mma="fp8"`` (default): nibble s.e1e0.m → E4M3 byte s.000e1e0.m00 = code · 2^-6 exactly (E4M3
+    subnormals hold the 0.5 code); on the GPU four bytes → eight E4M3 in 5 integer instructions
+    (inline PTX, `_E4M3_PTX`). Queries are stored as q / σ in E4M3, σ a power of two per (t, h)
+    with max|q| / σ ∈ [128, 256): exact for FP4-fake-quantized q (every block whose E8M0 scale is
+    ≥ 2^-13 of the head's largest; smaller blocks round to E4M3). Then
+    acc += dot_fp8(keys_c, q_c) · key_scale_c, a K = 32 FP8 MMA whose sum (integers < 2^13 in
+    units of the block's grid) is exact, and σ · 2^6 is folded into the head weight.
+  * ``mma="bf16"``: nibbles → bf16 through a byte-permute table (`_BF16_PTX`, Triton's own FP4 →
+    bf16 sequence, 2 instructions per element) times the E8M0 scale, acc = dot_bf16(keys_c, q_c, acc)
+    (every product exact, fp32 accumulation).
+Epilogue: Σ_h w_h · relu(acc) over the head columns, −inf mask, store; the block maxima (block_size
+a power of two dividing BLOCK_N) in the same pass. `decode="bits"` replaces the inline PTX with
+portable integer code (always used under TRITON_INTERPRET=1, where the dots run in fp32).
+`_blocks_kernel` is the same tile computation over the entries of given blocks (Reindex layers):
+one query per program, a page lookup per entry.
+
+What limits the scores (H200, Hi = 32, Di = 128, decode over 1M keys): 68 B read + 4 B written
+per key = 72 MB, 17 µs at 4.3 TB/s. Per key the SMs spend ~0.6 integer instructions per channel on
+the decode (fp8; ~2.5 for bf16), 4 × 32 FMAs applying the key scales (fp8 only), 32 × (relu, FMA,
+add) on the head sum, plus loads: ~300 (fp8) / ~420 (bf16) thread-instructions per key, against
+~520 issue slots per key available at 17 µs (132 SMs × 4 schedulers × 1.8 GHz × 32 lanes). So the
+kernel sits near the crossover of memory and instruction issue: the floor is the memory time,
+reached only if the decode overlaps the loads (several resident programs per SM, `tiles`,
+`num_stages`); bf16 is closer to issue-bound. The MMA (8.6 GFLOP: 11 µs of bf16 peak, 5.5 µs of
+FP8) runs on its own pipe but is not free for bf16.
+
+Top-k. Every (score, column) is mapped to one int64 key that orders the way the model's stable
+sort does: the order-preserving int32 of the fp32 score (−0 folded into +0) in the high word and
+N − 1 − column in the low word, so a larger key = larger score, then lower column; keys are unique.
+Three launches, no host synchronisation:
+  1. `_tau_kernel`: a lower bound τ of the k-th largest key. The row is cut into ⌈k / R⌉ groups;
+     each group's R-th largest key is found by R max passes and τ = their min (atomic_min): at least
+     R · ⌈k / R⌉ ≥ k keys are ≥ τ, so every top-k key is ≥ τ. For random scores ~2.6 k keys pass.
+     −inf scores are left out everywhere: a −inf pick is −1 whichever entry it is.
+  2. `_collect_kernel` (grid rows × ⌈N / CHUNK⌉): a chunk appends its finite keys ≥ τ to the row's
+     candidate list (position by atomic_add on the row's count; order is irrelevant). A chunk with
+     more than KP candidates (adversarial orders: scores rising along the row) appends only its
+     best KP, found with `tl.topk`. Capacity min(N, chunks · KP) per row: it cannot overflow.
+  3. `_final_kernel` (one program per row): streams the candidates KP at a time, keeping the best
+     KP sorted (sort the new KP, max against the reversed running list, bitonic merge), then decodes
+     the columns, sorts them ascending, turns −inf picks into −1 (moved to the end) and gathers ids.
+The answer is exact and deterministic (keys are unique, so the atomics' order does not matter).
+What limits it: it reads the scores twice (8N bytes) but the single-CTA merge of the ~2.6 k
+candidates (sorts of KP int64) is latency-bound, ~10 µs at k = 512, and adversarial rows cost up
+to (N / CHUNK) merges.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsv41.kernels.ref.indexer import block_maxima
+from dsv41.kernels.triton.common import e8m0_to_f32, fp4_to_f32, interpreting, runnable
+
+MMAS = ("fp8", "bf16")
+DECODES = ("asm", "bits")
+DEFAULT_MMA = "fp8"
+
+_KEY_MIN = tl.constexpr(-(2**63))  # below every real key (the padding of the top-k buffers)
+_ORD_NEG_INF = tl.constexpr(-2139095041)  # order-preserving int32 of −inf (0xFF800000 ^ 0x7FFFFFFF)
+_BIG_COL = tl.constexpr(2**62)
+
+# Four packed bytes ($2) → four E4M3 bytes of the low nibbles ($0) and of the high nibbles ($1):
+# nibble s.e1e0.m → byte s.000e1e0.m00 (= the E2M1 value · 2^-6).
+_E4M3_PTX = """{
+.reg .b32 t0, t1, t2, t3;
+shl.b32 t0, $2, 2;
+and.b32 t0, t0, 0x1C1C1C1C;
+shl.b32 t1, $2, 4;
+and.b32 t1, t1, 0x80808080;
+or.b32 $0, t0, t1;
+shr.u32 t2, $2, 2;
+and.b32 t2, t2, 0x1C1C1C1C;
+and.b32 t3, $2, 0x80808080;
+or.b32 $1, t2, t3;
+}"""
+
+# Four packed bytes ($4) and their four bf16 scales ($5: bytes 0, 1; $6: bytes 2, 3) → bf16 pairs of
+# the low nibbles ($0: bytes 0, 1; $1: bytes 2, 3) and of the high nibbles ($2, $3), times the scale.
+# prmt looks each magnitude up in 8-byte tables: low byte {00 00 80 C0 00 40 80 C0}, high byte
+# {00 3F 3F 3F 40 40 40 40} (0, .5, 1, 1.5, 2, 3, 4, 6), the sign byte 0x80 by the sign bit.
+_BF16_PTX = """{
+.reg .b32 a<17>;
+and.b32 a0, $4, 0x88888888;
+shr.u32 a1, a0, 3;
+and.b32 a2, $4, 0x77777777;
+shr.u32 a3, a2, 16;
+shr.u32 a4, a0, 19;
+prmt.b32 a5, 0xC0800000, 0xC0804000, a2;
+prmt.b32 a6, 0xC0800000, 0xC0804000, a3;
+prmt.b32 a7, 0x3F3F3F00, 0x40404040, a2;
+prmt.b32 a8, 0x3F3F3F00, 0x40404040, a3;
+prmt.b32 a9, 0x00008000, 0x00000000, a1;
+prmt.b32 a10, 0x00008000, 0x00000000, a4;
+or.b32 a11, a7, a9;
+or.b32 a12, a8, a10;
+prmt.b32 a13, a5, a11, 0x6240;
+prmt.b32 a14, a6, a12, 0x6240;
+prmt.b32 a15, a5, a11, 0x7351;
+prmt.b32 a16, a6, a12, 0x7351;
+mul.rn.bf16x2 $0, a13, $5;
+mul.rn.bf16x2 $1, a14, $6;
+mul.rn.bf16x2 $2, a15, $5;
+mul.rn.bf16x2 $3, a16, $6;
+}"""
+
+
+# --------------------------------------------------------------------------------------------- scores
+@triton.jit
+def _q_block(q_ptr, q_off, row_ok, stride_qd, BLK: tl.constexpr, inv_sigma, FP8: tl.constexpr,
+             F32: tl.constexpr):
+    """Query channels [32·BLK, 32·BLK + 32) as the dot's B operand (32, MQ)."""
+    c = BLK * 32 + tl.arange(0, 32)
+    x = tl.load(q_ptr + q_off[:, None] + c[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if FP8:
+        x = (x * inv_sigma[:, None]).to(tl.float8e4nv)  # exact: FP4 values over a power of two
+        if F32:
+            x = x.to(tl.float32)
+    else:
+        if not F32:
+            x = x.to(tl.bfloat16)  # exact: FP4 values
+    return tl.trans(x)
+
+
+@triton.jit
+def _queries(q_ptr, w_ptr, b, t0, T, stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh,
+             HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, FP8: tl.constexpr,
+             F32: tl.constexpr):
+    """Rows m = t·HP + h of BLOCK_T queries from t0: effective head weights (MQ,) and the B operands
+    of the Di/32 scale blocks (unused ones repeat block 0)."""
+    NB: tl.constexpr = DI // 32
+    MQ: tl.constexpr = BLOCK_T * HP
+    m = tl.arange(0, MQ)
+    t = t0 + (m // HP).to(tl.int64)
+    h = m % HP
+    row_ok = (t < T) & (h < HI)
+    q_off = b * stride_qb + t * stride_qt + h * stride_qh
+    w = tl.load(w_ptr + b * stride_wb + t * stride_wt + h * stride_wh, mask=row_ok, other=0.0).to(tl.float32)
+    if FP8:
+        d = tl.arange(0, DI)
+        x = tl.load(q_ptr + q_off[:, None] + d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+        amax = tl.max(tl.abs(x.to(tl.float32)), axis=1)
+        # σ = 2^(e − 127) with amax / σ ∈ [128, 256); 1/σ and σ·2^6 built from exponent bits (exact)
+        e = tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) - 7, 1)
+        inv_sigma = ((254 - e) << 23).to(tl.float32, bitcast=True)
+        w = w * ((e + 6) << 23).to(tl.float32, bitcast=True)  # relu(σ·2^6·x) = σ·2^6·relu(x)
+    else:
+        inv_sigma = tl.full((MQ,), 1.0, tl.float32)
+    q0 = _q_block(q_ptr, q_off, row_ok, stride_qd, 0, inv_sigma, FP8, F32)
+    q1 = _q_block(q_ptr, q_off, row_ok, stride_qd, 1 % NB, inv_sigma, FP8, F32)
+    q2 = _q_block(q_ptr, q_off, row_ok, stride_qd, 2 % NB, inv_sigma, FP8, F32)
+    q3 = _q_block(q_ptr, q_off, row_ok, stride_qd, 3 % NB, inv_sigma, FP8, F32)
+    return w, q0, q1, q2, q3
+
+
+@triton.jit
+def _key_block(key_ptr, row_off, ok, BLK: tl.constexpr, DI: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
+               F32: tl.constexpr):
+    """Channels [32·BLK, 32·BLK + 32) of the keys at byte offsets row_off (BLOCK_N,) as the dot's A
+    operand (BLOCK_N, 32), and their E8M0 scales (BLOCK_N,) fp32. FP8: E4M3 code · 2^-6, unscaled;
+    otherwise the scaled values."""
+    BLOCK_N: tl.constexpr = row_off.shape[0]
+    j = tl.arange(0, 16)
+    packed = tl.load(key_ptr + row_off[:, None] + (BLK * 16 + j)[None, :], mask=ok[:, None], other=0)
+    sbyte = tl.load(key_ptr + row_off + (DI // 2 + BLK), mask=ok, other=127)
+    scale = e8m0_to_f32(sbyte)
+    if FP8:
+        if ASM:
+            lo, hi = tl.inline_asm_elementwise(_E4M3_PTX, "=r,=r,r", [packed], dtype=(tl.uint8, tl.uint8),
+                                               is_pure=True, pack=4)
+        else:
+            p = packed.to(tl.int32)
+            lo = (((p << 2) & 0x1C) | ((p << 4) & 0x80)).to(tl.uint8)
+            hi = (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.uint8)
+        k = tl.reshape(tl.join(lo, hi), (BLOCK_N, 32)).to(tl.float8e4nv, bitcast=True)  # element 2i = low
+        if F32:
+            k = k.to(tl.float32)
+    else:
+        if ASM:
+            s16 = (sbyte.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(byte − 127) in bf16
+            s16 = tl.broadcast_to(s16[:, None], (BLOCK_N, 16))
+            lo, hi = tl.inline_asm_elementwise(_BF16_PTX, "=r,=r,=r,=r,r,r,r", [packed, s16],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            k = tl.reshape(tl.join(lo, hi), (BLOCK_N, 32))
+        else:
+            p = packed.to(tl.int32)
+            k = tl.reshape(tl.join(fp4_to_f32(p), fp4_to_f32(p >> 4)), (BLOCK_N, 32)) * scale[:, None]
+            if not F32:
+                k = k.to(tl.bfloat16)
+    return k, scale
+
+
+@triton.jit
+def _tile_acc(key_ptr, row_off, ok, q0, q1, q2, q3, DI: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
+              F32: tl.constexpr):
+    """(BLOCK_N, MQ) fp32 key·query dots (FP8: without σ·2^6, which the weights carry)."""
+    k, s = _key_block(key_ptr, row_off, ok, 0, DI, FP8, ASM, F32)
+    if FP8:
+        acc = tl.dot(k, q0) * s[:, None]
+    else:
+        acc = tl.dot(k, q0)
+    if DI >= 64:
+        k, s = _key_block(key_ptr, row_off, ok, 1, DI, FP8, ASM, F32)
+        if FP8:
+            acc += tl.dot(k, q1) * s[:, None]
+        else:
+            acc = tl.dot(k, q1, acc)
+    if DI >= 128:
+        k, s = _key_block(key_ptr, row_off, ok, 2, DI, FP8, ASM, F32)
+        if FP8:
+            acc += tl.dot(k, q2) * s[:, None]
+        else:
+            acc = tl.dot(k, q2, acc)
+        k, s = _key_block(key_ptr, row_off, ok, 3, DI, FP8, ASM, F32)
+        if FP8:
+            acc += tl.dot(k, q3) * s[:, None]
+        else:
+            acc = tl.dot(k, q3, acc)
+    return acc
+
+
+@triton.jit
+def _head_sum(acc, w, BLOCK_T: tl.constexpr, HP: tl.constexpr):
+    """Σ_h w·relu(acc) over each query's HP head columns: (BLOCK_N, BLOCK_T·HP) → (BLOCK_T, BLOCK_N)."""
+    BLOCK_N: tl.constexpr = acc.shape[0]
+    x = tl.maximum(acc, 0.0) * w[None, :]
+    return tl.trans(tl.sum(tl.reshape(x, (BLOCK_N, BLOCK_T, HP)), axis=2))
+
+
+@triton.jit
+def _scores_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, out_ptr, bmax_ptr, T, n_max, n_bmax,
+                   stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh, stride_pb, stride_pp,
+                   stride_vb, stride_vt, stride_ob, stride_ot, stride_mb, stride_mt,
+                   HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_N: tl.constexpr, TILES: tl.constexpr, PAGE_ROWS: tl.constexpr, BS: tl.constexpr,
+                   FP8: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+    ROW_BYTES: tl.constexpr = DI // 2 + DI // 32
+    pid_n = tl.program_id(0)
+    b = tl.program_id(2).to(tl.int64)
+    t0 = tl.program_id(1).to(tl.int64) * BLOCK_T
+    w, q0, q1, q2, q3 = _queries(q_ptr, w_ptr, b, t0, T, stride_qb, stride_qt, stride_qh, stride_qd, stride_wb,
+                                 stride_wt, stride_wh, HI, DI, HP, BLOCK_T, FP8, F32)
+    tq = t0 + tl.arange(0, BLOCK_T)
+    t_ok = tq < T
+    n_keys = tl.load(nk_ptr + b).to(tl.int64)
+    lim = tl.load(ve_ptr + b * stride_vb + tq * stride_vt, mask=t_ok, other=0).to(tl.int64)
+    lim = tl.where(t_ok, tl.minimum(tl.minimum(lim, n_keys), n_max), 0)  # (BLOCK_T,) entries each query sees
+    lim_max = tl.max(lim, axis=0)
+    out_rows = out_ptr + b * stride_ob + tq * stride_ot
+    for i in range(TILES):
+        n0 = (pid_n * TILES + i).to(tl.int64) * BLOCK_N
+        if n0 < n_max:
+            e = n0 + tl.arange(0, BLOCK_N)
+            s = tl.full((BLOCK_T, BLOCK_N), float("-inf"), tl.float32)
+            if n0 < lim_max:  # a tile nobody sees is only written
+                ok = e < lim_max
+                if PAGE_ROWS % BLOCK_N == 0:  # the tile lies in one page
+                    page = tl.load(pt_ptr + b * stride_pb + (n0 // PAGE_ROWS) * stride_pp).to(tl.int64)
+                else:
+                    page = tl.load(pt_ptr + b * stride_pb + (e // PAGE_ROWS) * stride_pp, mask=ok, other=0)
+                    page = page.to(tl.int64)
+                row_off = (page * PAGE_ROWS + e % PAGE_ROWS) * ROW_BYTES
+                acc = _tile_acc(key_ptr, row_off, ok, q0, q1, q2, q3, DI, FP8, ASM, F32)
+                s = tl.where(e[None, :] < lim[:, None], _head_sum(acc, w, BLOCK_T, HP), float("-inf"))
+            tl.store(out_rows[:, None] + e[None, :], s, mask=t_ok[:, None] & (e < n_max)[None, :])
+            if BS > 0:
+                blk_max = tl.max(tl.reshape(s, (BLOCK_T, BLOCK_N // BS, BS)), axis=2)  # e ≥ n_max is −inf
+                blk = n0 // BS + tl.arange(0, BLOCK_N // BS)
+                tl.store(bmax_ptr + b * stride_mb + tq[:, None] * stride_mt + blk[None, :], blk_max,
+                         mask=t_ok[:, None] & (blk < n_bmax)[None, :])
+
+
+@triton.jit
+def _blocks_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, blk_ptr, out_ptr, T, n_cols,
+                   stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh, stride_pb, stride_pp,
+                   stride_vb, stride_vt, stride_bb, stride_bt, stride_bk, stride_ob, stride_ot,
+                   HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+                   PAGE_ROWS: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
+                   F32: tl.constexpr):
+    ROW_BYTES: tl.constexpr = DI // 2 + DI // 32
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    w, q0, q1, q2, q3 = _queries(q_ptr, w_ptr, b, t, T, stride_qb, stride_qt, stride_qh, stride_qd, stride_wb,
+                                 stride_wt, stride_wh, HI, DI, HP, 1, FP8, F32)
+    lim = tl.minimum(tl.load(ve_ptr + b * stride_vb + t * stride_vt).to(tl.int64), tl.load(nk_ptr + b).to(tl.int64))
+    for i in range(TILES):
+        j0 = (pid_n * TILES + i).to(tl.int64) * BLOCK_N
+        if j0 < n_cols:
+            j = j0 + tl.arange(0, BLOCK_N)
+            j_ok = j < n_cols
+            block = tl.load(blk_ptr + b * stride_bb + t * stride_bt + (j // BS) * stride_bk, mask=j_ok, other=-1)
+            e = block.to(tl.int64) * BS + j % BS
+            ok = j_ok & (block >= 0) & (e < lim)
+            page = tl.load(pt_ptr + b * stride_pb + (e // PAGE_ROWS) * stride_pp, mask=ok, other=0).to(tl.int64)
+            row_off = (page * PAGE_ROWS + e % PAGE_ROWS) * ROW_BYTES
+            acc = _tile_acc(key_ptr, row_off, ok, q0, q1, q2, q3, DI, FP8, ASM, F32)
+            s = tl.where(ok[None, :], _head_sum(acc, w, 1, HP), float("-inf"))  # (1, BLOCK_N)
+            tl.store(out_ptr + b * stride_ob + t * stride_ot + j[None, :], s, mask=j_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------- top-k
+@triton.jit
+def _order_keys(x, col, N):
+    """fp32 scores and int64 columns → int64 keys: larger = larger score, then lower column."""
+    u = x.to(tl.int32, bitcast=True)
+    u = tl.where((u & 0x7FFFFFFF) == 0, 0, u)  # −0.0 ties with +0.0, as in torch.sort
+    o = u ^ ((u >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    return (o.to(tl.int64) << 32) | (N - 1 - col)
+
+
+@triton.jit
+def _tau_kernel(s_ptr, tau_ptr, T, N, G, stride_sb, stride_st, R: tl.constexpr, RP: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """τ[row] = min over groups of G columns of the group's R-th largest key (atomic_min)."""
+    row = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    base = s_ptr + (row // T).to(tl.int64) * stride_sb + (row % T).to(tl.int64) * stride_st
+    r = tl.arange(0, RP)
+    best = tl.full((RP,), _KEY_MIN, tl.int64)  # the group's R best keys so far
+    c0 = 0
+    while c0 < G:  # (a while loop: the interpreter cannot range() over a runtime bound)
+        i = c0 + tl.arange(0, CHUNK)
+        col = g * G + i
+        x = tl.load(base + col, mask=i < G, other=float("-inf"))
+        key = tl.where(x > float("-inf"), _order_keys(x, col, N), _KEY_MIN)  # −inf picks are −1 anyway
+        new = tl.full((RP,), _KEY_MIN, tl.int64)
+        for j in tl.static_range(R):  # keys are unique: each pass removes exactly the maximum
+            top = tl.maximum(tl.max(key, axis=0), tl.max(best, axis=0))
+            new = tl.where(r == j, top, new)
+            key = tl.where(key == top, _KEY_MIN, key)
+            best = tl.where(best == top, _KEY_MIN, best)
+        best = new
+        c0 += CHUNK
+    tl.atomic_min(tau_ptr + row, tl.sum(tl.where(r == R - 1, best, 0), axis=0))
+
+
+@triton.jit
+def _collect_kernel(s_ptr, tau_ptr, cnt_ptr, cand_ptr, T, N, cap, stride_sb, stride_st, KP: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """Append the chunk's keys ≥ τ (at most its best KP) to the row's candidate list."""
+    row = tl.program_id(0)
+    col = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    valid = col < N
+    base = s_ptr + (row // T).to(tl.int64) * stride_sb + (row % T).to(tl.int64) * stride_st
+    x = tl.load(base + col, mask=valid, other=float("-inf"))
+    key = _order_keys(x, col, N)
+    sel = (x > float("-inf")) & (key >= tl.load(tau_ptr + row))  # a −inf pick is −1 whichever it is
+    n = tl.sum(sel.to(tl.int32), axis=0)
+    dst = cand_ptr + row.to(tl.int64) * cap
+    if n > KP:
+        best = tl.topk(tl.where(sel, key, _KEY_MIN), KP)
+        start = tl.atomic_add(cnt_ptr + row, KP)
+        tl.store(dst + start + tl.arange(0, KP), best)
+    elif n > 0:
+        pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        start = tl.atomic_add(cnt_ptr + row, n)
+        tl.store(dst + start + pos, key, mask=sel)
+
+
+@triton.jit
+def _final_kernel(cand_ptr, cnt_ptr, ids_ptr, out_ptr, T, N, k, cap, stride_ib, stride_it, stride_in,
+                  stride_ob, stride_ot, KP: tl.constexpr, HAS_IDS: tl.constexpr):
+    """Best KP of the row's candidates → the first k, columns ascending, −1 for −inf picks and padding."""
+    row = tl.program_id(0)
+    b = (row // T).to(tl.int64)
+    t = (row % T).to(tl.int64)
+    n_cand = tl.load(cnt_ptr + row)
+    src = cand_ptr + row.to(tl.int64) * cap
+    i = tl.arange(0, KP)
+    best = tl.full((KP,), _KEY_MIN, tl.int64)  # sorted descending
+    start = 0
+    while start < n_cand:
+        x = tl.sort(tl.load(src + start + i, mask=start + i < n_cand, other=_KEY_MIN), descending=True)
+        # max(descending, ascending) is bitonic and holds the best KP of both lists
+        best = tl.bitonic_merge(tl.maximum(best, tl.flip(x, 0)), descending=True)
+        start += KP
+    valid = (i < k) & ((best >> 32).to(tl.int32) > _ORD_NEG_INF)  # picks beyond k, −inf, padding → −1
+    col = tl.sort(tl.where(valid, N - 1 - (best & 0xFFFFFFFF), _BIG_COL))
+    found = col < _BIG_COL
+    if HAS_IDS:
+        val = tl.load(ids_ptr + b * stride_ib + t * stride_it + col * stride_in, mask=found, other=-1).to(tl.int64)
+    else:
+        val = col
+    tl.store(out_ptr + b * stride_ob + t * stride_ot + i, tl.where(found, val, -1), mask=i < k)
+
+
+# --------------------------------------------------------------------------------------------- launchers
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Output allocation (a function so tests can poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_scoring(name: str, q: Tensor, weights: Tensor, key_pool: Tensor, page_table: Tensor, page_rows: int,
+                   n_keys: Tensor, visible_end: Tensor, mma: str, decode: str, block_n: int, tiles: int
+                   ) -> tuple[Tensor, int]:
+    """Shared argument checks; returns the pool as (n_rows, row_bytes) uint8 and the padded head count."""
+    _require(q.dim() == 4 and q.is_floating_point(), f"{name}: q must be (B, T, Hi, Di) float, got "
+             f"{tuple(q.shape)} {q.dtype}")
+    B, T, Hi, Di = q.shape
+    _require(Di in (32, 64, 128), f"{name}: Di must be 32, 64 or 128, got {Di}")
+    _require(weights.shape == (B, T, Hi) and weights.is_floating_point(),
+             f"{name}: weights must be (B, T, Hi) = {(B, T, Hi)} float, got {tuple(weights.shape)} {weights.dtype}")
+    row_bytes = Di // 2 + Di // 32
+    _require(key_pool.dim() in (2, 3) and key_pool.size(-1) == row_bytes and key_pool.element_size() == 1
+             and key_pool.dtype != torch.bool,
+             f"{name}: key_pool must be (n_rows, {row_bytes}) or (n_pages, page_rows, {row_bytes}) uint8, got "
+             f"{tuple(key_pool.shape)} {key_pool.dtype}")
+    _require(key_pool.is_contiguous(), f"{name}: key_pool must be contiguous")
+    _require(page_table.dim() == 2 and page_table.size(0) == B and page_table.dtype in (torch.int32, torch.int64),
+             f"{name}: page_table must be (B, pages) int32/int64, got {tuple(page_table.shape)} {page_table.dtype}")
+    _require(page_rows > 0, f"{name}: page_rows must be positive, got {page_rows}")
+    _require(n_keys.shape == (B,) and not n_keys.is_floating_point(), f"{name}: n_keys must be ({B},) integer")
+    _require(visible_end.shape == (B, T) and not visible_end.is_floating_point(),
+             f"{name}: visible_end must be (B, T) = {(B, T)} integer")
+    _require(mma in MMAS, f"{name}: mma must be one of {MMAS}, got {mma!r}")
+    _require(decode in DECODES, f"{name}: decode must be one of {DECODES}, got {decode!r}")
+    _require(_pow2(block_n) and block_n >= 16, f"{name}: block_n must be a power of two >= 16, got {block_n}")
+    _require(tiles >= 1, f"{name}: tiles must be >= 1, got {tiles}")
+    tensors = (q, weights, key_pool, page_table, n_keys, visible_end)
+    _require(all(t.device == q.device for t in tensors), f"{name}: all tensors must be on one device")
+    _require(runnable(q), f"{name}: tensors must be on CUDA (or TRITON_INTERPRET=1)")
+    pool = key_pool.reshape(-1, row_bytes)
+    if pool.dtype != torch.uint8:
+        pool = pool.view(torch.uint8)
+    return pool, Hi
+
+
+def _flags(mma: str, decode: str) -> dict:
+    interp = interpreting()
+    return dict(FP8=mma == "fp8", ASM=decode == "asm" and not interp, F32=interp)
+
+
+def indexer_scores(q: Tensor, weights: Tensor, key_pool: Tensor, page_table: Tensor, page_rows: int,
+                   n_keys: Tensor, visible_end: Tensor, n_max: int, block_size: int = 0, *,
+                   mma: str = DEFAULT_MMA, decode: str = "asm", block_n: int = 128, block_t: int | None = None,
+                   tiles: int = 4, num_warps: int = 4, num_stages: int = 2) -> tuple[Tensor, Tensor | None]:
+    """See `dsv41.kernels.ops.indexer_scores`. Knobs: the MMA type (``fp8`` / ``bf16``), the nibble
+    decode (``asm`` inline PTX / ``bits``), keys per tile (a divisor of page_rows keeps one page per
+    tile), queries per program (None: 1 for decode, else up to 64 // heads), tiles per program, warps,
+    stages. A block_size that is not a power of two ≤ block_n gets its maxima from a torch reduction."""
+    pool, Hi = _check_scoring("indexer_scores", q, weights, key_pool, page_table, page_rows, n_keys, visible_end,
+                              mma, decode, block_n, tiles)
+    _require(n_max >= 0 and block_size >= 0, f"indexer_scores: n_max and block_size must be >= 0, got "
+             f"{n_max}, {block_size}")
+    B, T, _, Di = q.shape
+    hp = triton.next_power_of_2(Hi)
+    if block_t is None:
+        block_t = 1 if T == 1 else min(triton.next_power_of_2(T), max(1, 64 // hp))
+    _require(_pow2(block_t), f"indexer_scores: block_t must be a power of two, got {block_t}")
+    hp = max(hp, 16 // block_t)  # the dot's N = block_t · hp >= 16
+    fused_max = block_size > 0 and _pow2(block_size) and block_size <= block_n
+    n_bmax = -(-n_max // block_size) if block_size else 0
+    scores = _empty((B, T, n_max), torch.float32, q.device)
+    bmax = _empty((B, T, n_bmax), torch.float32, q.device) if fused_max else scores
+    n_tiles = -(-n_max // block_n)
+    if B and T and n_tiles:
+        grid = (-(-n_tiles // tiles), -(-T // block_t), B)
+        _scores_kernel[grid](
+            q, weights, pool, page_table, n_keys, visible_end, scores, bmax, T, n_max, n_bmax,
+            *q.stride(), *weights.stride(), *page_table.stride(), *visible_end.stride(),
+            scores.stride(0), scores.stride(1), bmax.stride(0), bmax.stride(1),
+            HI=Hi, DI=Di, HP=hp, BLOCK_T=block_t, BLOCK_N=block_n, TILES=tiles, PAGE_ROWS=page_rows,
+            BS=block_size if fused_max else 0, **_flags(mma, decode), num_warps=num_warps, num_stages=num_stages)
+    if not block_size:
+        return scores, None
+    return scores, bmax if fused_max else block_maxima(scores, block_size)
+
+
+def indexer_scores_blocks(q: Tensor, weights: Tensor, key_pool: Tensor, page_table: Tensor, page_rows: int,
+                          n_keys: Tensor, visible_end: Tensor, blocks: Tensor, block_size: int, *,
+                          mma: str = DEFAULT_MMA, decode: str = "asm", block_n: int = 128, tiles: int = 4,
+                          num_warps: int = 4, num_stages: int = 2) -> Tensor:
+    """See `dsv41.kernels.ops.indexer_scores_blocks`. Knobs as `indexer_scores` (one query per program)."""
+    pool, Hi = _check_scoring("indexer_scores_blocks", q, weights, key_pool, page_table, page_rows, n_keys,
+                              visible_end, mma, decode, block_n, tiles)
+    B, T, _, Di = q.shape
+    _require(blocks.dim() == 3 and blocks.shape[:2] == (B, T) and not blocks.is_floating_point(),
+             f"indexer_scores_blocks: blocks must be (B, T, nb) integer, got {tuple(blocks.shape)} {blocks.dtype}")
+    _require(block_size > 0, f"indexer_scores_blocks: block_size must be positive, got {block_size}")
+    _require(blocks.device == q.device, "indexer_scores_blocks: all tensors must be on one device")
+    n_cols = blocks.size(2) * block_size
+    out = _empty((B, T, n_cols), torch.float32, q.device)
+    n_tiles = -(-n_cols // block_n)
+    if B and T and n_tiles:
+        grid = (-(-n_tiles // tiles), T, B)
+        _blocks_kernel[grid](
+            q, weights, pool, page_table, n_keys, visible_end, blocks, out, T, n_cols,
+            *q.stride(), *weights.stride(), *page_table.stride(), *visible_end.stride(), *blocks.stride(),
+            out.stride(0), out.stride(1),
+            HI=Hi, DI=Di, HP=max(triton.next_power_of_2(Hi), 16), BLOCK_N=block_n, TILES=tiles,
+            PAGE_ROWS=page_rows, BS=block_size, **_flags(mma, decode), num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def topk_indices(scores: Tensor, k: int, ids: Tensor | None = None, *, chunk: int = 4096, tau_rank: int = 4,
+                 tau_chunk: int = 2048, num_warps: int = 4, final_warps: int = 8) -> Tensor:
+    """See `dsv41.kernels.ops.topk_indices`. Knobs: columns per collect program (`chunk`, a power of
+    two, raised to the padded k), R of the τ bound (`tau_rank`; larger = fewer candidates, more
+    passes), columns per τ step, warps of the collect / τ programs and of the final merge."""
+    _require(scores.dim() == 3 and scores.dtype == torch.float32,
+             f"topk_indices: scores must be (B, T, N) float32, got {tuple(scores.shape)} {scores.dtype}")
+    _require(isinstance(k, int) and k >= 0, f"topk_indices: k must be a non-negative int, got {k!r}")
+    _require(_pow2(chunk) and _pow2(tau_chunk) and tau_rank >= 1,
+             f"topk_indices: chunk and tau_chunk must be powers of two and tau_rank >= 1, got {chunk}, {tau_chunk}, "
+             f"{tau_rank}")
+    B, T, N = scores.shape
+    if ids is not None:
+        _require(ids.shape == scores.shape and not ids.is_floating_point() and ids.device == scores.device,
+                 f"topk_indices: ids must be integer with the shape of scores {tuple(scores.shape)}")
+    _require(runnable(scores), "topk_indices: tensors must be on CUDA (or TRITON_INTERPRET=1)")
+    dev = scores.device
+    out = _empty((B, T, k), torch.int64, dev)
+    rows = B * T
+    if k == 0 or rows == 0:
+        return out
+    if N == 0:
+        return out.fill_(-1)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    kp = max(triton.next_power_of_2(k), 16)  # sorts want a few elements
+    chunk = max(min(chunk, triton.next_power_of_2(N)), kp, triton.next_power_of_2(-(-N // 65535)))  # grid ≤ 65535
+    n_chunks = -(-N // chunk)
+    cap = min(N, n_chunks * kp)  # every chunk appends at most min(its length, KP) keys
+    n_groups = -(-k // tau_rank)
+    group = N // n_groups
+    _require(n_groups <= 65535, f"topk_indices: k / tau_rank must be <= 65535, got {n_groups}")
+    if group >= tau_rank:
+        tau = torch.full((rows,), 2**63 - 1, dtype=torch.int64, device=dev)
+        _tau_kernel[(rows, n_groups)](scores, tau, T, N, group, scores.stride(0), scores.stride(1), R=tau_rank,
+                                      RP=triton.next_power_of_2(tau_rank),
+                                      CHUNK=min(tau_chunk, triton.next_power_of_2(group)), num_warps=num_warps)
+    else:  # too few columns for the bound: every key is a candidate
+        tau = torch.full((rows,), -(2**63), dtype=torch.int64, device=dev)
+    count = torch.zeros(rows, dtype=torch.int32, device=dev)
+    cand = _empty((rows, cap), torch.int64, dev)
+    _collect_kernel[(rows, n_chunks)](scores, tau, count, cand, T, N, cap, scores.stride(0), scores.stride(1),
+                                      KP=kp, CHUNK=chunk, num_warps=num_warps)
+    id_src = ids if ids is not None else out
+    _final_kernel[(rows,)](cand, count, id_src, out, T, N, k, cap, *id_src.stride(), out.stride(0), out.stride(1),
+                           KP=kp, HAS_IDS=ids is not None, num_warps=final_warps)
+    return out

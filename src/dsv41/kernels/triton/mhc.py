@@ -1,0 +1,433 @@
+"""Single-pass mHC in Triton (SPEC §5): the Mega-mHC pass, the coefficient projection, the Sinkhorn split.
+
+`mhc_post` reads the n = 4 streams h (M, 4, d) and the sublayer output f (M, d) once and writes
+  h_new_j = post_j·f + Σ_i comb_ij·h_i   (fp32 math, rounded once to f's dtype),
+  x       = Σ_j pre_j·h_new_j            (fp32 over the *rounded* h_new, then rounded),
+  mixes   = (flatten(h_new) @ hc_fnᵀ)·rsqrt(mean(flatten(h_new)²) + eps)   ((2+n)·n = 24, fp32);
+`mhc_mixes` is the same pass with h as the streams (no update), `mhc_split` the Sinkhorn split.
+
+Layout and grid. M = B·T tokens; h rows (token stride, stream stride, contiguous d), outputs
+contiguous. `_mhc_pass_kernel` runs on a grid (⌈M / BLOCK_T⌉, SPLIT): a program owns BLOCK_T tokens
+(the M dimension of `tl.dot`) and one span of d, walked in BLOCK_D chunks; per chunk it loads 4 h
+tiles + 1 f tile, forms h_new and x in registers, stores them, and accumulates Σ h_new² and the
+projection tile acc (BLOCK_T, 32) += h_new_i (BLOCK_T, BLOCK_D) @ hc_fn[:, i·d + chunk]ᵀ (24 rows
+padded to 32). hc_fn (24 × 4d fp32, 2 MB at d = 5120) is re-read by every program and stays in L2.
+When the token tiles alone cannot fill the GPU (decode, short chunks) the d axis is split: each
+program writes its partial projection + Σ h² to a workspace and `_mhc_finish_kernel` sums the
+SPLIT partials in a fixed order (deterministic) and applies the RMS.
+
+Precision of the projection. flatten(h_new) has n·d = 20480 terms and the contract is fp32 (it
+feeds sigmoids and a 20-round Sinkhorn). `precision`:
+  * ``split`` (default): hc_fn is split in registers into three bf16 pieces (hi + mid + lo carries
+    24 mantissa bits); when the A operand is exactly bf16 (bf16 h_new — the model's case) it takes
+    3 bf16 MMAs, otherwise A is split as well (6 MMAs, the products ≥ 2^-24). bf16 products are exact
+    and accumulate in fp32, so the result is fp32-accurate;
+  * ``tf32x3`` / ``ieee``: one `tl.dot` on fp32 operands with that input precision (plain ``tf32``,
+    10 mantissa bits, is not accurate enough and is not offered).
+
+What limits it (H200, d = 5120, bf16). Traffic is (2n+2)·d·2 = 102 KB per token (+ 96 B of
+coefficients and mixes): 16K tokens move 1.68 GB, 0.39 ms at 4.3 TB/s. The projection is
+2·24·4·d = 0.98 MFLOP per token, ~24 FLOP per byte of h_new (~10 per byte moved): 16 GFLOP (21 with
+the 24 → 32 padding) per 16K tokens, ~0.3 ms at the 67 TFLOP/s fp32 CUDA-core peak, on the same
+cores that do the update (~5 GFLOP) — so an fp32 FMA projection (``ieee``) cannot hide under the
+memory time. On tensor cores the ``split`` path costs 3 × 2·32·4·d = 3.9 MFLOP per token (64 GFLOP,
+~0.1 ms of bf16 MMA) that overlaps the memory stream; the CUDA-core work left (~20 FMAs per element
+of h_new for the update, x and Σh², the casts, the hc_fn split amortized over BLOCK_T tokens) is
+~0.1–0.15 ms. So the kernel is meant to be bandwidth-bound; the risk is latency hiding (each program
+loads, computes, then MMAs in sequence: two resident programs per SM or `num_stages` ≥ 2 overlap them).
+
+Interpreter note: TRITON_INTERPRET's fp32 → bf16 cast truncates, so there (EXACT_CAST) the rounding
+of h_new and x to bf16 is done with integer bit arithmetic (round to nearest even, exact); the GPU
+uses the hardware conversion, which rounds the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dsv41.kernels.triton.common import dot_dtype, interpreting, runnable
+
+HC_MULT = 4  # the pass kernel is written for n = 4 streams (every preset)
+PRECISIONS = ("split", "tf32x3", "ieee")
+FLOATS = (torch.float32, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------- device code
+@triton.jit
+def _round_bf16(x, EXACT_CAST: tl.constexpr):
+    """fp32 → the nearest bf16 value (ties to even), returned in fp32."""
+    if EXACT_CAST:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _to_out(x, OUT_BF16: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """Round an fp32 tile to the output dtype's grid (the value is then stored exactly)."""
+    if OUT_BF16:
+        return _round_bf16(x, EXACT_CAST)
+    else:
+        return x
+
+
+@triton.jit
+def _project(acc, a, b, PRECISION: tl.constexpr, A_BF16: tl.constexpr, DOT: tl.constexpr):
+    """acc += a (BLOCK_T, BLOCK_D) @ b (BLOCK_D, KP) to fp32 accuracy (see the module docstring)."""
+    if PRECISION == "split":
+        b_hi = b.to(tl.bfloat16)
+        rb = b - b_hi.to(tl.float32)  # exact
+        b_mid = rb.to(tl.bfloat16)
+        b_lo = (rb - b_mid.to(tl.float32)).to(tl.bfloat16)
+        a_hi = a.to(tl.bfloat16)
+        if A_BF16:  # a is exactly bf16: three MMAs, smallest terms first
+            acc = tl.dot(a_hi.to(DOT), b_lo.to(DOT), acc)
+            acc = tl.dot(a_hi.to(DOT), b_mid.to(DOT), acc)
+            acc = tl.dot(a_hi.to(DOT), b_hi.to(DOT), acc)
+        else:  # fp32 a: split it too, keep every product down to 2^-24 relative
+            ra = a - a_hi.to(tl.float32)
+            a_mid = ra.to(tl.bfloat16)
+            a_lo = (ra - a_mid.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(a_lo.to(DOT), b_hi.to(DOT), acc)
+            acc = tl.dot(a_mid.to(DOT), b_mid.to(DOT), acc)
+            acc = tl.dot(a_hi.to(DOT), b_lo.to(DOT), acc)
+            acc = tl.dot(a_mid.to(DOT), b_hi.to(DOT), acc)
+            acc = tl.dot(a_hi.to(DOT), b_mid.to(DOT), acc)
+            acc = tl.dot(a_hi.to(DOT), b_hi.to(DOT), acc)
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _coef(ptr, rows64, row_ok, STRIDE: tl.constexpr, idx: tl.constexpr):
+    """Per-token coefficient ptr[token, idx] as a (BLOCK_T, 1) fp32 column."""
+    return tl.load(ptr + rows64 * STRIDE + idx, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+
+
+@triton.jit
+def _fn_tile(fn_ptr, s_fnk, col, col_ok, kk, K_OUT: tl.constexpr):
+    """hc_fn[k, col] as a (BLOCK_D, KP) fp32 tile (rows k ≥ K_OUT and ragged columns are 0)."""
+    mask = col_ok[:, None] & (kk[None, :] < K_OUT)
+    return tl.load(fn_ptr + kk[None, :] * s_fnk + col[:, None], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _mhc_pass_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, hnew_ptr, x_ptr, mix_ptr, part_ptr, sq_ptr,
+                     M, D, norm_eps, s_ht, s_hn, s_ft, s_fnk, N_IT: tl.constexpr,
+                     POST: tl.constexpr, HAS_FN: tl.constexpr, FINAL: tl.constexpr, OUT_BF16: tl.constexpr,
+                     A_BF16: tl.constexpr, EXACT_CAST: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+                     K_OUT: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    kk = tl.arange(0, KP)
+
+    if POST:  # the 24 per-token coefficients, loaded once: post (M, 4), comb (M, 4, 4) [i, j], pre (M, 4)
+        p0 = _coef(post_ptr, rows64, row_ok, 4, 0)
+        p1 = _coef(post_ptr, rows64, row_ok, 4, 1)
+        p2 = _coef(post_ptr, rows64, row_ok, 4, 2)
+        p3 = _coef(post_ptr, rows64, row_ok, 4, 3)
+        c00 = _coef(comb_ptr, rows64, row_ok, 16, 0)
+        c01 = _coef(comb_ptr, rows64, row_ok, 16, 1)
+        c02 = _coef(comb_ptr, rows64, row_ok, 16, 2)
+        c03 = _coef(comb_ptr, rows64, row_ok, 16, 3)
+        c10 = _coef(comb_ptr, rows64, row_ok, 16, 4)
+        c11 = _coef(comb_ptr, rows64, row_ok, 16, 5)
+        c12 = _coef(comb_ptr, rows64, row_ok, 16, 6)
+        c13 = _coef(comb_ptr, rows64, row_ok, 16, 7)
+        c20 = _coef(comb_ptr, rows64, row_ok, 16, 8)
+        c21 = _coef(comb_ptr, rows64, row_ok, 16, 9)
+        c22 = _coef(comb_ptr, rows64, row_ok, 16, 10)
+        c23 = _coef(comb_ptr, rows64, row_ok, 16, 11)
+        c30 = _coef(comb_ptr, rows64, row_ok, 16, 12)
+        c31 = _coef(comb_ptr, rows64, row_ok, 16, 13)
+        c32 = _coef(comb_ptr, rows64, row_ok, 16, 14)
+        c33 = _coef(comb_ptr, rows64, row_ok, 16, 15)
+        q0 = _coef(pre_ptr, rows64, row_ok, 4, 0)
+        q1 = _coef(pre_ptr, rows64, row_ok, 4, 1)
+        q2 = _coef(pre_ptr, rows64, row_ok, 4, 2)
+        q3 = _coef(pre_ptr, rows64, row_ok, 4, 3)
+
+    acc = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    h_row = h_ptr + rows64[:, None] * s_ht
+    out_row = rows64[:, None] * (4 * D)
+    for it in range(N_IT):  # this program's span of d: N_IT chunks (the last span may end early)
+        col = (pid_s * N_IT + it) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = col < D
+        ok = row_ok[:, None] & col_ok[None, :]
+        h0 = tl.load(h_row + col[None, :], mask=ok, other=0.0).to(tl.float32)
+        h1 = tl.load(h_row + s_hn + col[None, :], mask=ok, other=0.0).to(tl.float32)
+        h2 = tl.load(h_row + 2 * s_hn + col[None, :], mask=ok, other=0.0).to(tl.float32)
+        h3 = tl.load(h_row + 3 * s_hn + col[None, :], mask=ok, other=0.0).to(tl.float32)
+        if POST:
+            f = tl.load(f_ptr + rows64[:, None] * s_ft + col[None, :], mask=ok, other=0.0).to(tl.float32)
+            # residual update in fp32, one rounding to the output dtype (hc_post)
+            n0 = _to_out(p0 * f + (c00 * h0 + c10 * h1 + c20 * h2 + c30 * h3), OUT_BF16, EXACT_CAST)
+            n1 = _to_out(p1 * f + (c01 * h0 + c11 * h1 + c21 * h2 + c31 * h3), OUT_BF16, EXACT_CAST)
+            n2 = _to_out(p2 * f + (c02 * h0 + c12 * h1 + c22 * h2 + c32 * h3), OUT_BF16, EXACT_CAST)
+            n3 = _to_out(p3 * f + (c03 * h0 + c13 * h1 + c23 * h2 + c33 * h3), OUT_BF16, EXACT_CAST)
+            hn = hnew_ptr + out_row + col[None, :]
+            tl.store(hn, n0.to(hnew_ptr.dtype.element_ty), mask=ok)
+            tl.store(hn + D, n1.to(hnew_ptr.dtype.element_ty), mask=ok)
+            tl.store(hn + 2 * D, n2.to(hnew_ptr.dtype.element_ty), mask=ok)
+            tl.store(hn + 3 * D, n3.to(hnew_ptr.dtype.element_ty), mask=ok)
+            # the next sublayer's input from the rounded streams (hc_pre)
+            x = _to_out(q0 * n0 + q1 * n1 + q2 * n2 + q3 * n3, OUT_BF16, EXACT_CAST)
+            tl.store(x_ptr + rows64[:, None] * D + col[None, :], x.to(x_ptr.dtype.element_ty), mask=ok)
+        else:
+            n0, n1, n2, n3 = h0, h1, h2, h3
+        if HAS_FN:
+            sq += tl.sum(n0 * n0 + n1 * n1 + n2 * n2 + n3 * n3, axis=1)
+            acc = _project(acc, n0, _fn_tile(fn_ptr, s_fnk, col, col_ok, kk, K_OUT), PRECISION, A_BF16, DOT)
+            acc = _project(acc, n1, _fn_tile(fn_ptr, s_fnk, D + col, col_ok, kk, K_OUT), PRECISION, A_BF16, DOT)
+            acc = _project(acc, n2, _fn_tile(fn_ptr, s_fnk, 2 * D + col, col_ok, kk, K_OUT), PRECISION, A_BF16, DOT)
+            acc = _project(acc, n3, _fn_tile(fn_ptr, s_fnk, 3 * D + col, col_ok, kk, K_OUT), PRECISION, A_BF16, DOT)
+
+    if HAS_FN:
+        if FINAL:
+            r = tl.math.rsqrt(sq / (4 * D) + norm_eps)
+            mask = row_ok[:, None] & (kk[None, :] < K_OUT)
+            tl.store(mix_ptr + rows64[:, None] * K_OUT + kk[None, :], acc * r[:, None], mask=mask)
+        else:  # partial sums of this d span; `_mhc_finish_kernel` adds the spans
+            slot = pid_s * M + rows64
+            tl.store(part_ptr + slot[:, None] * KP + kk[None, :], acc, mask=row_ok[:, None])
+            tl.store(sq_ptr + slot, sq, mask=row_ok)
+
+
+@triton.jit
+def _mhc_finish_kernel(part_ptr, sq_ptr, mix_ptr, M, D, norm_eps, SPLIT: tl.constexpr,
+                       K_OUT: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    kk = tl.arange(0, KP)
+    acc = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for s in range(SPLIT):  # fixed order: deterministic
+        slot = s * M + rows64
+        acc += tl.load(part_ptr + slot[:, None] * KP + kk[None, :], mask=row_ok[:, None], other=0.0)
+        sq += tl.load(sq_ptr + slot, mask=row_ok, other=0.0)
+    r = tl.math.rsqrt(sq / (4 * D) + norm_eps)
+    mask = row_ok[:, None] & (kk[None, :] < K_OUT)
+    tl.store(mix_ptr + rows64[:, None] * K_OUT + kk[None, :], acc * r[:, None], mask=mask)
+
+
+@triton.jit
+def _mhc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M, eps, s_mt,
+                      ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK tokens per program; each token's n×n matrix lives in registers as a (BLOCK, NP, NP) slice."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    j = tl.arange(0, NP)
+    j_ok = j < N
+    s0 = tl.load(scale_ptr).to(tl.float32)
+    s1 = tl.load(scale_ptr + 1).to(tl.float32)
+    s2 = tl.load(scale_ptr + 2).to(tl.float32)
+    mix_row = mix_ptr + rows64 * s_mt
+
+    ok2 = row_ok[:, None] & j_ok[None, :]
+    m_pre = tl.load(mix_row[:, None] + j[None, :], mask=ok2, other=0.0).to(tl.float32)
+    b_pre = tl.load(base_ptr + j, mask=j_ok, other=0.0).to(tl.float32)
+    pre = tl.sigmoid(m_pre * s0 + b_pre[None, :]) + eps
+    tl.store(pre_ptr + rows64[:, None] * N + j[None, :], pre, mask=ok2)
+    m_post = tl.load(mix_row[:, None] + N + j[None, :], mask=ok2, other=0.0).to(tl.float32)
+    b_post = tl.load(base_ptr + N + j, mask=j_ok, other=0.0).to(tl.float32)
+    post = 2 * tl.sigmoid(m_post * s1 + b_post[None, :])
+    tl.store(post_ptr + rows64[:, None] * N + j[None, :], post, mask=ok2)
+
+    i3 = j[None, :, None]  # (1, NP, 1) row index of comb
+    j3 = j[None, None, :]  # (1, 1, NP) column index
+    cell_ok = (i3 < N) & (j3 < N)
+    ok3 = row_ok[:, None, None] & cell_ok
+    cell = 2 * N + i3 * N + j3
+    logits = tl.load(mix_row[:, None, None] + cell, mask=ok3, other=0.0).to(tl.float32) * s2
+    logits += tl.load(base_ptr + cell, mask=cell_ok, other=0.0).to(tl.float32)
+    logits = tl.where(j3 < N, logits, float("-inf"))  # padding columns leave the row softmax alone
+    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+    comb = tl.math.div_rn(e, tl.sum(e, axis=2)[:, :, None]) + eps
+    comb = tl.where(cell_ok, comb, 0.0)
+    comb = tl.math.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + eps)  # columns
+    for _ in range(ITERS - 1):
+        comb = tl.math.div_rn(comb, tl.sum(comb, axis=2)[:, :, None] + eps)  # rows
+        comb = tl.math.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + eps)  # columns
+    tl.store(comb_ptr + rows64[:, None, None] * (N * N) + i3 * N + j3, comb, mask=ok3)
+
+
+# --------------------------------------------------------------------------------------------- launchers
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _programs_wanted(device: torch.device) -> int:
+    """Two programs per SM (a small number in the interpreter, so tests reach the split path)."""
+    return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 8
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Every output and workspace comes from here (tests poison it to prove each element is written)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _check_streams(name: str, h: Tensor, hc_fn: Tensor | None) -> tuple[int, int, int, int]:
+    _require(h.dim() == 4, f"{name}: h must be (B, T, n, d), got shape {tuple(h.shape)}")
+    B, T, n, d = h.shape
+    _require(n == HC_MULT, f"{name}: the Triton kernel is written for hc_mult = {HC_MULT}, got n = {n}")
+    _require(d > 0, f"{name}: d must be positive")
+    _require(h.dtype in FLOATS, f"{name}: h must be float32 or bfloat16, got {h.dtype}")
+    _require(runnable(h), f"{name}: h is on {h.device}; Triton needs CUDA (or TRITON_INTERPRET=1)")
+    if hc_fn is not None:
+        k = (2 + n) * n
+        _require(tuple(hc_fn.shape) == (k, n * d), f"{name}: hc_fn must be ({k}, {n * d}), got {tuple(hc_fn.shape)}")
+        _require(hc_fn.is_floating_point() and hc_fn.device == h.device, f"{name}: hc_fn must be a float tensor "
+                 f"on {h.device}, got {hc_fn.dtype} on {hc_fn.device}")
+    return B, T, n, d
+
+
+def _plan(M: int, d: int, device: torch.device, block_t: int, block_d: int, split: int | None
+          ) -> tuple[int, int, int, int]:
+    """Block sizes shrunk to the problem, and the d split: (BLOCK_T, BLOCK_D, SPLIT, chunks per span)."""
+    for knob, value in (("block_t", block_t), ("block_d", block_d)):
+        _require(value >= 16 and value & (value - 1) == 0, f"{knob} must be a power of two ≥ 16, got {value}")
+    bt = max(16, min(block_t, triton.next_power_of_2(M)))
+    bd = max(16, min(block_d, triton.next_power_of_2(d)))
+    tiles, chunks = triton.cdiv(M, bt), triton.cdiv(d, bd)
+    if split is None:
+        want = _programs_wanted(device)
+        split = 1 if 2 * tiles >= want else min(chunks, triton.cdiv(want, tiles))
+    _require(split >= 1, f"split must be ≥ 1, got {split}")
+    per = triton.cdiv(chunks, min(split, chunks))  # chunks per span; no span is empty
+    return bt, bd, triton.cdiv(chunks, per), per
+
+
+def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor | None, pre: Tensor | None,
+                 hc_fn: Tensor | None, norm_eps: float, block_t: int, block_d: int, split: int | None,
+                 precision: str | None, num_warps: int, num_stages: int) -> tuple[Tensor | None, Tensor | None,
+                                                                                 Tensor | None]:
+    B, T, n, d = h.shape
+    M, K = B * T, (2 + n) * n
+    dev = h.device
+    post_pass = f is not None
+    out_dtype = f.dtype if post_pass else h.dtype
+    h_new = _empty((B, T, n, d), out_dtype, dev) if post_pass else None
+    x = _empty((B, T, d), out_dtype, dev) if post_pass else None
+    mixes = _empty((B, T, K), torch.float32, dev) if hc_fn is not None else None
+    if M == 0:
+        return h_new, x, mixes
+    precision = precision or "split"
+    _require(precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+    h2 = h.reshape(M, n, d)
+    if h2.stride(2) != 1:
+        h2 = h2.contiguous()
+    if post_pass:
+        f2 = f.reshape(M, d)
+        if f2.stride(1) != 1:
+            f2 = f2.contiguous()
+        post2, comb2, pre2 = (t.reshape(M, -1).contiguous() for t in (post, comb, pre))
+    else:
+        f2, post2, comb2, pre2 = h2, h2, h2, h2  # unused
+    fn = hc_fn if hc_fn is not None else h2
+    if hc_fn is not None and fn.stride(1) != 1:
+        fn = fn.contiguous()
+
+    bt, bd, split, n_it = _plan(M, d, dev, block_t, block_d, split)
+    final = split == 1 or hc_fn is None
+    if final:
+        part = sq = h2  # unused
+    else:
+        part = _empty((split, M, 32), torch.float32, dev)
+        sq = _empty((split, M), torch.float32, dev)
+    if bt < 64:  # a 16/32-token tile (decode) has too little work for 8 warps
+        num_warps = min(num_warps, 4)
+    grid = (triton.cdiv(M, bt), split)
+    _mhc_pass_kernel[grid](
+        h2, f2, post2, comb2, pre2, fn, h_new if post_pass else h2, x if post_pass else h2,
+        mixes if mixes is not None else h2, part, sq,
+        M, d, float(norm_eps), h2.stride(0), h2.stride(1), f2.stride(0), fn.stride(0), N_IT=n_it,
+        POST=post_pass, HAS_FN=hc_fn is not None, FINAL=final, OUT_BF16=out_dtype == torch.bfloat16,
+        A_BF16=out_dtype == torch.bfloat16, EXACT_CAST=interpreting(), PRECISION=precision, DOT=dot_dtype(),
+        K_OUT=K, KP=32, BLOCK_T=bt, BLOCK_D=bd, num_warps=num_warps, num_stages=num_stages)
+    if not final:
+        _mhc_finish_kernel[(triton.cdiv(M, 64),)](part, sq, mixes, M, d, float(norm_eps), SPLIT=split,
+                                                  K_OUT=K, KP=32, BLOCK_T=64, num_warps=4)
+    return h_new, x, mixes
+
+
+def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor | None, norm_eps: float,
+             *, block_t: int = 64, block_d: int = 64, split: int | None = None, precision: str | None = None,
+             num_warps: int = 8, num_stages: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The Mega-mHC pass (see `ops.mhc_post`). Knobs: BLOCK_T tokens × BLOCK_D channels per step,
+    `split` d spans per token tile (None: enough programs for two per SM), `precision` of the
+    projection (``split`` | ``tf32x3`` | ``ieee``)."""
+    B, T, n, d = _check_streams("mhc_post", h, hc_fn)
+    _require(tuple(f.shape) == (B, T, d), f"mhc_post: f must be {(B, T, d)}, got {tuple(f.shape)}")
+    _require(f.dtype in FLOATS, f"mhc_post: f must be float32 or bfloat16, got {f.dtype}")
+    for name, t, shape in (("post", post, (B, T, n)), ("comb", comb, (B, T, n, n)), ("pre", pre, (B, T, n))):
+        _require(tuple(t.shape) == shape, f"mhc_post: {name} must be {shape}, got {tuple(t.shape)}")
+        _require(t.is_floating_point(), f"mhc_post: {name} must be floating point, got {t.dtype}")
+    for name, t in (("f", f), ("post", post), ("comb", comb), ("pre", pre)):
+        _require(t.device == h.device, f"mhc_post: {name} is on {t.device}, h on {h.device}")
+    h_new, x, mixes = _launch_pass(h, f, post, comb, pre, hc_fn, norm_eps, block_t, block_d, split, precision,
+                                   num_warps, num_stages)
+    return h_new, x, mixes
+
+
+def mhc_mixes(h: Tensor, hc_fn: Tensor, norm_eps: float, *, block_t: int = 64, block_d: int = 64,
+              split: int | None = None, precision: str | None = None, num_warps: int = 8, num_stages: int = 1
+              ) -> Tensor:
+    """The coefficient projection of h alone (see `ops.mhc_mixes`): reads h once."""
+    _require(hc_fn is not None, "mhc_mixes: hc_fn is required")
+    _check_streams("mhc_mixes", h, hc_fn)
+    return _launch_pass(h, None, None, None, None, hc_fn, norm_eps, block_t, block_d, split, precision,
+                        num_warps, num_stages)[2]
+
+
+def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int, eps: float,
+              *, block: int = 64, num_warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
+    """Sinkhorn split (see `ops.mhc_split`), BLOCK tokens per program."""
+    n = hc_mult
+    K = (2 + n) * n
+    _require(n >= 1, f"mhc_split: hc_mult must be ≥ 1, got {n}")
+    _require(mixes.dim() >= 1 and mixes.size(-1) == K, f"mhc_split: mixes must be (..., {K}), got {tuple(mixes.shape)}")
+    _require(mixes.is_floating_point(), f"mhc_split: mixes must be floating point, got {mixes.dtype}")
+    _require(tuple(hc_scale.shape) == (3,), f"mhc_split: hc_scale must be (3,), got {tuple(hc_scale.shape)}")
+    _require(tuple(hc_base.shape) == (K,), f"mhc_split: hc_base must be ({K},), got {tuple(hc_base.shape)}")
+    _require(iters >= 0, f"mhc_split: iters must be ≥ 0, got {iters}")
+    _require(block >= 1 and block & (block - 1) == 0, f"mhc_split: block must be a power of two, got {block}")
+    for name, t in (("hc_scale", hc_scale), ("hc_base", hc_base)):
+        _require(t.device == mixes.device, f"mhc_split: {name} is on {t.device}, mixes on {mixes.device}")
+    _require(runnable(mixes), f"mhc_split: mixes is on {mixes.device}; Triton needs CUDA (or TRITON_INTERPRET=1)")
+    lead = mixes.shape[:-1]
+    M = mixes[..., 0].numel()
+    dev = mixes.device
+    pre = _empty((*lead, n), torch.float32, dev)
+    post = _empty((*lead, n), torch.float32, dev)
+    comb = _empty((*lead, n, n), torch.float32, dev)
+    if M == 0:
+        return pre, post, comb
+    m2 = mixes.reshape(M, K)
+    if m2.stride(1) != 1:
+        m2 = m2.contiguous()
+    _mhc_split_kernel[(triton.cdiv(M, block),)](
+        m2, hc_scale.contiguous(), hc_base.contiguous(), pre, post, comb, M, float(eps), m2.stride(0),
+        ITERS=int(iters), N=n, NP=triton.next_power_of_2(n), BLOCK=block, num_warps=num_warps)
+    return pre, post, comb
