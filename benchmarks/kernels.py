@@ -7,7 +7,8 @@ The two ceilings are measured in the same run (METHOD.md): a device-to-device co
 (bytes read + written over time) and an 8192³ bf16 matmul on random data. Each case (defined in
 benchmarks/kernel_cases/*.py) counts its own minimum work — FLOPs (2·MACs) for compute-bound
 kernels, bytes (inputs read once + outputs written once) for memory-bound ones — and is timed as
-the median of CUDA-event timings after warm-up (triton.testing.do_bench), the twin likewise.
+the median of CUDA-graph replays (launch overhead excluded; plain CUDA events when a twin cannot
+be captured), the twin likewise; `launch_ms` adds the eager call (launcher overhead included).
 Reported per case: time, TFLOP/s or GB/s, fraction of its ceiling, the floor (work / ceiling) and
 the speed-up over the twin.
 
@@ -31,9 +32,18 @@ import torch
 FAMILIES = ("attention", "indexer", "mhc", "cache_write")
 
 
-def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
-    from triton.testing import do_bench
+def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 300, graph: bool = True) -> float:
+    """Median time of fn in ms: replays of a captured CUDA graph (launch overhead excluded), or plain
+    event timing when fn cannot be captured (host syncs) or graph=False."""
+    from triton.testing import do_bench, do_bench_cudagraph
 
+    if graph:
+        try:
+            fn()  # compile outside the capture
+            torch.cuda.synchronize()
+            return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+        except Exception:  # not capturable: fall back to event timing
+            torch.cuda.synchronize()
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
@@ -41,11 +51,11 @@ def ceilings(device: torch.device) -> dict:
     n = 1 << 31  # 2 GiB read + 2 GiB written per copy
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src))
+    copy_ms = median_ms(lambda: dst.copy_(src), graph=False)
     size = 8192
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    mm_ms = median_ms(lambda: a @ b)
+    mm_ms = median_ms(lambda: a @ b, graph=False)
     return dict(copy_gbps=2 * n / copy_ms / 1e6, matmul_tflops=2 * size**3 / mm_ms / 1e9,
                 copy_ms=copy_ms, matmul_ms=mm_ms)
 
@@ -53,11 +63,12 @@ def ceilings(device: torch.device) -> dict:
 def run_case(case: dict, ceil: dict) -> dict:
     unit, work = case["unit"], case["work"]
     t = median_ms(case["triton"])
+    launch = median_ms(case["triton"], graph=False)
     rate = work / t / 1e9 if unit == "flop" else work / t / 1e6  # TFLOP/s or GB/s
     peak = ceil["matmul_tflops"] if case["ceiling"] == "matmul" else ceil["copy_gbps"]
     floor_ms = work / (peak * (1e9 if unit == "flop" else 1e6))
     row = dict(name=case["name"], shape=case["shape"], unit=unit, work=work, ceiling=case["ceiling"],
-               triton_ms=t, rate=rate, rate_unit="TFLOP/s" if unit == "flop" else "GB/s",
+               triton_ms=t, launch_ms=launch, rate=rate, rate_unit="TFLOP/s" if unit == "flop" else "GB/s",
                fraction_of_ceiling=rate / peak, floor_ms=floor_ms, note=case.get("note", ""))
     if case.get("torch") is not None:
         row["torch_ms"] = median_ms(case["torch"], warmup_ms=20, rep_ms=200)
@@ -99,7 +110,7 @@ def engine_decode(contexts: list[int], batch: int, device: torch.device) -> list
                     start.add_(1)
 
                 with use_backend(name):
-                    ms = median_ms(step, warmup_ms=100, rep_ms=1000 if name == "auto" else 300)
+                    ms = median_ms(step, warmup_ms=100, rep_ms=1000 if name == "auto" else 300, graph=False)
                 row[f"{name}_step_ms"] = ms
                 row[f"{name}_tokens_per_s"] = b * 1e3 / ms
             row["speedup"] = row["torch_step_ms"] / row["auto_step_ms"]

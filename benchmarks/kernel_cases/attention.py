@@ -71,7 +71,8 @@ def _case(name: str, B: int, T: int, device: torch.device, note: str) -> dict:
         twin.sparse_attention(**args)
 
     return dict(name=name, shape=f"B={B} T={T} H={H} D={D} window={W} top-k={K} ({W + K} keys/query), bf16 q",
-                unit="flop", work=work, ceiling="matmul", triton=run_triton, torch=run_torch, note=note)
+                unit="flop", work=work, ceiling="matmul", triton=run_triton, torch=run_torch, note=note,
+                sweep=lambda **knobs: fused.sparse_attention(**args, **knobs))
 
 
 def cases(device: torch.device) -> list[dict]:

@@ -62,7 +62,8 @@ def _scores_case(name: str, B: int, n_keys: int, block_size: int, device: torch.
 
     mma = knobs.get("mma", fused.DEFAULT_MMA)
     return dict(name=name, shape=f"B={B} T=1 Hi={HI} Di={DI} N={n_keys} block={block_size or '-'} mma={mma}",
-                unit="byte", work=work, ceiling="copy", triton=run_triton, torch=run_torch, note=note)
+                unit="byte", work=work, ceiling="copy", triton=run_triton, torch=run_torch, note=note,
+                sweep=lambda **kn: fused.indexer_scores(**args, n_max=n_keys, block_size=block_size, **kn))
 
 
 def _prefill_case(device: torch.device) -> dict:
@@ -139,10 +140,9 @@ def cases(device: torch.device) -> list[dict]:
         _prefill_case(device),
         _blocks_case(device),
         _topk_case("topk 1M k=512", 1, 1 << 20, TOPK, device,
-                   "τ bound (128 groups) + collect (256 chunks) + one-program merge of ~1.3K candidates: "
-                   "3 launches, latency bound"),
+                   "order-key pass (8 MB written) + torch.topk radix select over int64 keys + a k-sort"),
         _topk_case("topk B=64 128K k=512", 64, 1 << 17, TOPK, device,
-                   "64 decode rows at 128K keys: the merges run in parallel"),
+                   "64 decode rows at 128K keys"),
         _topk_case("select blocks 128K k=2048", 1, 1 << 17, KEEP_BLOCKS, device,
-                   "candidate blocks of a 1M-key context: KP = 2048 sorts in the final merge"),
+                   "candidate blocks of a 1M-key context: keys kernel + radix select"),
     ]

@@ -44,7 +44,8 @@ def _post_case(name: str, B: int, T: int, d: int, device: torch.device, with_fn:
         return twin.mhc_post(h, f, post, comb, pre, fn, 1e-6)
 
     return dict(name=name, shape=f"B={B} T={T} n={N} d={d} bf16" + ("" if with_fn else " no hc_fn"), unit="byte",
-                work=work, ceiling="copy", triton=run_triton, torch=run_torch, note=note)
+                work=work, ceiling="copy", triton=run_triton, torch=run_torch, note=note,
+                sweep=lambda **knobs: fused.mhc_post(h, f, post, comb, pre, fn, 1e-6, **knobs))
 
 
 def cases(device: torch.device) -> list[dict]:

@@ -59,26 +59,33 @@ def scaled_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what
     assert_close(actual, expected, rtol=rtol, atol=rtol * float(expected.abs().max()), what=what)
 
 
-def bf16_ulp_close(actual: torch.Tensor, expected: torch.Tensor, what: str, max_fraction: float = 0.005) -> None:
-    """bf16 outputs: equal, except at most one ulp apart on a tiny fraction of the elements."""
+def bf16_ulp_close(actual: torch.Tensor, expected: torch.Tensor, what: str, max_fraction: float = 0.005,
+                   terms: torch.Tensor | None = None) -> None:
+    """bf16 outputs: equal, except at most one ulp apart on a tiny fraction of the elements. `terms`
+    (the magnitude of what each output sums) sets the ulp where a sum cancels: a GPU's fused
+    multiply-adds round differently from torch, which shows as an ulp of the terms, not of the result."""
     assert actual.dtype == expected.dtype == torch.bfloat16, what
     a, e = actual.float(), expected.float()
     assert not torch.isnan(a).any(), f"{what}: NaN left in the output (an element was not written)"
-    ulp = torch.ldexp(torch.ones_like(e), torch.frexp(torch.maximum(a.abs(), e.abs()))[1] - 8)  # bf16 spacing
+    size = torch.maximum(a.abs(), e.abs()) if terms is None else torch.maximum(torch.maximum(a.abs(), e.abs()),
+                                                                               terms.float())
+    ulp = torch.ldexp(torch.ones_like(e), torch.frexp(size)[1] - 8)  # bf16 spacing
     diff = (a - e).abs()
     assert bool((diff <= ulp).all()), f"{what}: max error {float((diff / ulp).max()):.1f} ulp"
     frac = float((diff > 0).float().mean())
     assert frac <= max_fraction, f"{what}: {frac:.2%} of the elements differ (allowed {max_fraction:.2%})"
 
 
-def check_bf16_pass(h_new, x, mixes, expected, pre, fn) -> None:
+def check_bf16_pass(h_new, x, mixes, expected, pre, fn, inputs=None) -> None:
     """bf16 mhc_post outputs: h_new within one ulp of the twin's; x and mixes also checked against the
-    twin applied to the kernel's own h_new (a flipped h_new ulp must not be blamed on them)."""
+    twin applied to the kernel's own h_new (a flipped h_new ulp must not be blamed on them). With
+    `inputs` = (h, f, post, comb) the ulp is taken at the size of the summed terms (GPU: FMAs)."""
     e_h, _, e_m = expected
-    bf16_ulp_close(h_new, e_h, "h_new")
-    bf16_ulp_close(x, hc_pre(h_new, pre), "x from h_new")
+    terms = None if inputs is None else hc_post(inputs[1].abs(), inputs[0].abs(), inputs[2], inputs[3])
+    bf16_ulp_close(h_new, e_h, "h_new", terms=terms)
+    bf16_ulp_close(x, hc_pre(h_new, pre), "x from h_new", terms=None if inputs is None else hc_pre(h_new.abs(), pre))
     scaled_close(mixes, twin.mhc_mixes(h_new, fn, EPS), FP32_RTOL, "mixes from h_new")
-    scaled_close(mixes, e_m, BF16_MIXES_RTOL, "mixes")
+    scaled_close(mixes, e_m, BF16_MIXES_RTOL if inputs is None else 1e-3, "mixes")
 
 
 def reference64(h, f, post, comb, pre, fn):
@@ -362,7 +369,7 @@ def test_gpu_mhc_post_v41_flash(B, T):
     h, f, post, comb, pre, fn = streams(B, T, 5120, torch.bfloat16, seed=201 + T, device="cuda")
     with torch.no_grad(), use_backend("triton"):
         h_new, x, mixes = ops.mhc_post(h, f, post, comb, pre, fn, EPS)
-    check_bf16_pass(h_new, x, mixes, twin.mhc_post(h, f, post, comb, pre, fn, EPS), pre, fn)
+    check_bf16_pass(h_new, x, mixes, twin.mhc_post(h, f, post, comb, pre, fn, EPS), pre, fn, (h, f, post, comb))
 
 
 @pytest.mark.gpu
@@ -386,6 +393,8 @@ def test_gpu_mhc_mixes_and_split_v41_flash(B, T):
         mixes = ops.mhc_mixes(h, fn, EPS)
         split = ops.mhc_split(mixes, scale, base, N, 20, EPS)
     e_mixes = twin.mhc_mixes(h, fn, EPS)
-    scaled_close(mixes, e_mixes, FP32_RTOL, "mixes")
+    # Hopper's MMA accumulates with less than fp32's rounding: over K = 20480 the split projection
+    # lands ~3e-5 from cuBLAS fp32 (seen on the H200), so the GPU bound is 1e-4
+    scaled_close(mixes, e_mixes, 1e-4, "mixes")
     for got, exp, what in zip(split, twin.mhc_split(mixes, scale, base, N, 20, EPS), ("pre", "post", "comb")):
         assert_close(got, exp, rtol=FP32_RTOL, atol=FP32_RTOL, what=what)

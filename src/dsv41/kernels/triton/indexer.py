@@ -36,22 +36,11 @@ FP8) runs on its own pipe but is not free for bf16.
 Top-k. Every (score, column) is mapped to one int64 key that orders the way the model's stable
 sort does: the order-preserving int32 of the fp32 score (−0 folded into +0) in the high word and
 N − 1 − column in the low word, so a larger key = larger score, then lower column; keys are unique.
-Three launches, no host synchronisation:
-  1. `_tau_kernel`: a lower bound τ of the k-th largest key. The row is cut into ⌈k / R⌉ groups;
-     each group's R-th largest key is found by R max passes and τ = their min (atomic_min): at least
-     R · ⌈k / R⌉ ≥ k keys are ≥ τ, so every top-k key is ≥ τ. For random scores ~2.6 k keys pass.
-     −inf scores are left out everywhere: a −inf pick is −1 whichever entry it is.
-  2. `_collect_kernel` (grid rows × ⌈N / CHUNK⌉): a chunk appends its finite keys ≥ τ to the row's
-     candidate list (position by atomic_add on the row's count; order is irrelevant). A chunk with
-     more than KP candidates (adversarial orders: scores rising along the row) appends only its
-     best KP, found with `tl.topk`. Capacity min(N, chunks · KP) per row: it cannot overflow.
-  3. `_final_kernel` (one program per row): streams the candidates KP at a time, keeping the best
-     KP sorted (sort the new KP, max against the reversed running list, bitonic merge), then decodes
-     the columns, sorts them ascending, turns −inf picks into −1 (moved to the end) and gathers ids.
-The answer is exact and deterministic (keys are unique, so the atomics' order does not matter).
-What limits it: it reads the scores twice (8N bytes) but the single-CTA merge of the ~2.6 k
-candidates (sorts of KP int64) is latency-bound, ~10 µs at k = 512, and adversarial rows cost up
-to (N / CHUNK) merges.
+`_keys_kernel` writes them in one pass; `torch.topk` (a radix select) takes the k largest — exact
+because no two keys tie — and the picks are sorted back into column order, −inf picks → −1 at the
+end. No host synchronisation. What limits it: the radix select's passes over 8N bytes of keys (a
+three-kernel τ-bound / collect / bitonic-merge version written first was 10× slower at 1M: its
+single-CTA merge was latency-bound).
 """
 
 from __future__ import annotations
@@ -69,12 +58,10 @@ DECODES = ("asm", "bits")
 DEFAULT_MMA = "fp8"
 
 _KEY_MIN = tl.constexpr(-(2**63))  # below every real key (the padding of the top-k buffers)
-_ORD_NEG_INF = tl.constexpr(-2139095041)  # order-preserving int32 of −inf (0xFF800000 ^ 0x7FFFFFFF)
-_BIG_COL = tl.constexpr(2**62)
 
 # Four packed bytes ($2) → four E4M3 bytes of the low nibbles ($0) and of the high nibbles ($1):
 # nibble s.e1e0.m → byte s.000e1e0.m00 (= the E2M1 value · 2^-6).
-_E4M3_PTX = """{
+_E4M3_PTX = tl.constexpr("""{
 .reg .b32 t0, t1, t2, t3;
 shl.b32 t0, $2, 2;
 and.b32 t0, t0, 0x1C1C1C1C;
@@ -85,13 +72,13 @@ shr.u32 t2, $2, 2;
 and.b32 t2, t2, 0x1C1C1C1C;
 and.b32 t3, $2, 0x80808080;
 or.b32 $1, t2, t3;
-}"""
+}""")
 
 # Four packed bytes ($4) and their four bf16 scales ($5: bytes 0, 1; $6: bytes 2, 3) → bf16 pairs of
 # the low nibbles ($0: bytes 0, 1; $1: bytes 2, 3) and of the high nibbles ($2, $3), times the scale.
 # prmt looks each magnitude up in 8-byte tables: low byte {00 00 80 C0 00 40 80 C0}, high byte
 # {00 3F 3F 3F 40 40 40 40} (0, .5, 1, 1.5, 2, 3, 4, 6), the sign byte 0x80 by the sign bit.
-_BF16_PTX = """{
+_BF16_PTX = tl.constexpr("""{
 .reg .b32 a<17>;
 and.b32 a0, $4, 0x88888888;
 shr.u32 a1, a0, 3;
@@ -114,7 +101,7 @@ mul.rn.bf16x2 $0, a13, $5;
 mul.rn.bf16x2 $1, a14, $6;
 mul.rn.bf16x2 $2, a15, $5;
 mul.rn.bf16x2 $3, a16, $6;
-}"""
+}""")
 
 
 # --------------------------------------------------------------------------------------------- scores
@@ -247,6 +234,7 @@ def _scores_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, out_ptr, bmax_
                    BLOCK_N: tl.constexpr, TILES: tl.constexpr, PAGE_ROWS: tl.constexpr, BS: tl.constexpr,
                    FP8: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
     ROW_BYTES: tl.constexpr = DI // 2 + DI // 32
+    ROW_ALIGN: tl.constexpr = ROW_BYTES & -ROW_BYTES  # rows are only this aligned (68 B: 4, 34 B: 2)
     pid_n = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
     t0 = tl.program_id(1).to(tl.int64) * BLOCK_T
@@ -271,7 +259,8 @@ def _scores_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, out_ptr, bmax_
                 else:
                     page = tl.load(pt_ptr + b * stride_pb + (e // PAGE_ROWS) * stride_pp, mask=ok, other=0)
                     page = page.to(tl.int64)
-                row_off = (page * PAGE_ROWS + e % PAGE_ROWS) * ROW_BYTES
+                # rows are only ROW_ALIGN-aligned: pin what the alignment analysis may assume
+                row_off = tl.multiple_of((page * PAGE_ROWS + e % PAGE_ROWS) * ROW_BYTES, ROW_ALIGN)
                 acc = _tile_acc(key_ptr, row_off, ok, q0, q1, q2, q3, DI, FP8, ASM, F32)
                 s = tl.where(e[None, :] < lim[:, None], _head_sum(acc, w, BLOCK_T, HP), float("-inf"))
             tl.store(out_rows[:, None] + e[None, :], s, mask=t_ok[:, None] & (e < n_max)[None, :])
@@ -290,6 +279,7 @@ def _blocks_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, blk_ptr, out_p
                    PAGE_ROWS: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
                    F32: tl.constexpr):
     ROW_BYTES: tl.constexpr = DI // 2 + DI // 32
+    ROW_ALIGN: tl.constexpr = ROW_BYTES & -ROW_BYTES  # rows are only this aligned (68 B: 4, 34 B: 2)
     pid_n = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -305,7 +295,8 @@ def _blocks_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, blk_ptr, out_p
             e = block.to(tl.int64) * BS + j % BS
             ok = j_ok & (block >= 0) & (e < lim)
             page = tl.load(pt_ptr + b * stride_pb + (e // PAGE_ROWS) * stride_pp, mask=ok, other=0).to(tl.int64)
-            row_off = (page * PAGE_ROWS + e % PAGE_ROWS) * ROW_BYTES
+            # gathered rows are only ROW_ALIGN-aligned (the analysis would assume more: misaligned loads)
+            row_off = tl.multiple_of((page * PAGE_ROWS + e % PAGE_ROWS) * ROW_BYTES, ROW_ALIGN)
             acc = _tile_acc(key_ptr, row_off, ok, q0, q1, q2, q3, DI, FP8, ASM, F32)
             s = tl.where(ok[None, :], _head_sum(acc, w, 1, HP), float("-inf"))  # (1, BLOCK_N)
             tl.store(out_ptr + b * stride_ob + t * stride_ot + j[None, :], s, mask=j_ok[None, :])
@@ -322,82 +313,17 @@ def _order_keys(x, col, N):
 
 
 @triton.jit
-def _tau_kernel(s_ptr, tau_ptr, T, N, G, stride_sb, stride_st, R: tl.constexpr, RP: tl.constexpr,
-                CHUNK: tl.constexpr):
-    """τ[row] = min over groups of G columns of the group's R-th largest key (atomic_min)."""
+def _keys_kernel(s_ptr, key_ptr, T, N, stride_sb, stride_st, BLOCK: tl.constexpr):
+    """One int64 order key per score (larger = better, ties → lower column); −inf → the minimum."""
     row = tl.program_id(0)
-    g = tl.program_id(1).to(tl.int64)
-    base = s_ptr + (row // T).to(tl.int64) * stride_sb + (row % T).to(tl.int64) * stride_st
-    r = tl.arange(0, RP)
-    best = tl.full((RP,), _KEY_MIN, tl.int64)  # the group's R best keys so far
-    c0 = 0
-    while c0 < G:  # (a while loop: the interpreter cannot range() over a runtime bound)
-        i = c0 + tl.arange(0, CHUNK)
-        col = g * G + i
-        x = tl.load(base + col, mask=i < G, other=float("-inf"))
-        key = tl.where(x > float("-inf"), _order_keys(x, col, N), _KEY_MIN)  # −inf picks are −1 anyway
-        new = tl.full((RP,), _KEY_MIN, tl.int64)
-        for j in tl.static_range(R):  # keys are unique: each pass removes exactly the maximum
-            top = tl.maximum(tl.max(key, axis=0), tl.max(best, axis=0))
-            new = tl.where(r == j, top, new)
-            key = tl.where(key == top, _KEY_MIN, key)
-            best = tl.where(best == top, _KEY_MIN, best)
-        best = new
-        c0 += CHUNK
-    tl.atomic_min(tau_ptr + row, tl.sum(tl.where(r == R - 1, best, 0), axis=0))
-
-
-@triton.jit
-def _collect_kernel(s_ptr, tau_ptr, cnt_ptr, cand_ptr, T, N, cap, stride_sb, stride_st, KP: tl.constexpr,
-                    CHUNK: tl.constexpr):
-    """Append the chunk's keys ≥ τ (at most its best KP) to the row's candidate list."""
-    row = tl.program_id(0)
-    col = tl.program_id(1).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = col < N
-    base = s_ptr + (row // T).to(tl.int64) * stride_sb + (row % T).to(tl.int64) * stride_st
-    x = tl.load(base + col, mask=valid, other=float("-inf"))
-    key = _order_keys(x, col, N)
-    sel = (x > float("-inf")) & (key >= tl.load(tau_ptr + row))  # a −inf pick is −1 whichever it is
-    n = tl.sum(sel.to(tl.int32), axis=0)
-    dst = cand_ptr + row.to(tl.int64) * cap
-    if n > KP:
-        best = tl.topk(tl.where(sel, key, _KEY_MIN), KP)
-        start = tl.atomic_add(cnt_ptr + row, KP)
-        tl.store(dst + start + tl.arange(0, KP), best)
-    elif n > 0:
-        pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        start = tl.atomic_add(cnt_ptr + row, n)
-        tl.store(dst + start + pos, key, mask=sel)
+    x = tl.load(s_ptr + (row // T).to(tl.int64) * stride_sb + (row % T).to(tl.int64) * stride_st + col,
+                mask=valid, other=float("-inf"))
+    key = tl.where(x > float("-inf"), _order_keys(x, col, N), _KEY_MIN)
+    tl.store(key_ptr + row.to(tl.int64) * N + col, key, mask=valid)
 
 
-@triton.jit
-def _final_kernel(cand_ptr, cnt_ptr, ids_ptr, out_ptr, T, N, k, cap, stride_ib, stride_it, stride_in,
-                  stride_ob, stride_ot, KP: tl.constexpr, HAS_IDS: tl.constexpr):
-    """Best KP of the row's candidates → the first k, columns ascending, −1 for −inf picks and padding."""
-    row = tl.program_id(0)
-    b = (row // T).to(tl.int64)
-    t = (row % T).to(tl.int64)
-    n_cand = tl.load(cnt_ptr + row)
-    src = cand_ptr + row.to(tl.int64) * cap
-    i = tl.arange(0, KP)
-    best = tl.full((KP,), _KEY_MIN, tl.int64)  # sorted descending
-    start = 0
-    while start < n_cand:
-        x = tl.sort(tl.load(src + start + i, mask=start + i < n_cand, other=_KEY_MIN), descending=True)
-        # max(descending, ascending) is bitonic and holds the best KP of both lists
-        best = tl.bitonic_merge(tl.maximum(best, tl.flip(x, 0)), descending=True)
-        start += KP
-    valid = (i < k) & ((best >> 32).to(tl.int32) > _ORD_NEG_INF)  # picks beyond k, −inf, padding → −1
-    col = tl.sort(tl.where(valid, N - 1 - (best & 0xFFFFFFFF), _BIG_COL))
-    found = col < _BIG_COL
-    if HAS_IDS:
-        val = tl.load(ids_ptr + b * stride_ib + t * stride_it + col * stride_in, mask=found, other=-1).to(tl.int64)
-    else:
-        val = col
-    tl.store(out_ptr + b * stride_ob + t * stride_ot + i, tl.where(found, val, -1), mask=i < k)
-
-
-# --------------------------------------------------------------------------------------------- launchers
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """Output allocation (a function so tests can poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -436,6 +362,8 @@ def _check_scoring(name: str, q: Tensor, weights: Tensor, key_pool: Tensor, page
              f"{name}: visible_end must be (B, T) = {(B, T)} integer")
     _require(mma in MMAS, f"{name}: mma must be one of {MMAS}, got {mma!r}")
     _require(decode in DECODES, f"{name}: decode must be one of {DECODES}, got {decode!r}")
+    _require(decode == "asm" or interpreting(), f"{name}: decode='bits' is the interpreter's path (on the GPU it "
+             "fails the accuracy test with several queries per program); use 'asm'")
     _require(_pow2(block_n) and block_n >= 16, f"{name}: block_n must be a power of two >= 16, got {block_n}")
     _require(tiles >= 1, f"{name}: tiles must be >= 1, got {tiles}")
     tensors = (q, weights, key_pool, page_table, n_keys, visible_end)
@@ -514,50 +442,36 @@ def indexer_scores_blocks(q: Tensor, weights: Tensor, key_pool: Tensor, page_tab
     return out
 
 
-def topk_indices(scores: Tensor, k: int, ids: Tensor | None = None, *, chunk: int = 4096, tau_rank: int = 4,
-                 tau_chunk: int = 2048, num_warps: int = 4, final_warps: int = 8) -> Tensor:
-    """See `dsv41.kernels.ops.topk_indices`. Knobs: columns per collect program (`chunk`, a power of
-    two, raised to the padded k), R of the τ bound (`tau_rank`; larger = fewer candidates, more
-    passes), columns per τ step, warps of the collect / τ programs and of the final merge."""
+def topk_indices(scores: Tensor, k: int, ids: Tensor | None = None, *, block: int = 1024,
+                 num_warps: int = 4) -> Tensor:
+    """See `dsv41.kernels.ops.topk_indices`. One pass turns (score, column) into unique int64 keys that
+    order exactly like the model's stable sort; `torch.topk` (a radix select) picks the k largest —
+    exact because no two keys tie — and the picks are sorted back into column order."""
     _require(scores.dim() == 3 and scores.dtype == torch.float32,
              f"topk_indices: scores must be (B, T, N) float32, got {tuple(scores.shape)} {scores.dtype}")
     _require(isinstance(k, int) and k >= 0, f"topk_indices: k must be a non-negative int, got {k!r}")
-    _require(_pow2(chunk) and _pow2(tau_chunk) and tau_rank >= 1,
-             f"topk_indices: chunk and tau_chunk must be powers of two and tau_rank >= 1, got {chunk}, {tau_chunk}, "
-             f"{tau_rank}")
+    _require(_pow2(block), f"topk_indices: block must be a power of two, got {block}")
     B, T, N = scores.shape
     if ids is not None:
         _require(ids.shape == scores.shape and not ids.is_floating_point() and ids.device == scores.device,
                  f"topk_indices: ids must be integer with the shape of scores {tuple(scores.shape)}")
     _require(runnable(scores), "topk_indices: tensors must be on CUDA (or TRITON_INTERPRET=1)")
+    _require(N < 2**31, f"topk_indices: at most 2^31 - 1 columns, got {N}")
     dev = scores.device
-    out = _empty((B, T, k), torch.int64, dev)
-    rows = B * T
-    if k == 0 or rows == 0:
-        return out
-    if N == 0:
-        return out.fill_(-1)
+    if k == 0 or B * T == 0 or N == 0:
+        return torch.full((B, T, k), -1, dtype=torch.int64, device=dev)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
-    kp = max(triton.next_power_of_2(k), 16)  # sorts want a few elements
-    chunk = max(min(chunk, triton.next_power_of_2(N)), kp, triton.next_power_of_2(-(-N // 65535)))  # grid ≤ 65535
-    n_chunks = -(-N // chunk)
-    cap = min(N, n_chunks * kp)  # every chunk appends at most min(its length, KP) keys
-    n_groups = -(-k // tau_rank)
-    group = N // n_groups
-    _require(n_groups <= 65535, f"topk_indices: k / tau_rank must be <= 65535, got {n_groups}")
-    if group >= tau_rank:
-        tau = torch.full((rows,), 2**63 - 1, dtype=torch.int64, device=dev)
-        _tau_kernel[(rows, n_groups)](scores, tau, T, N, group, scores.stride(0), scores.stride(1), R=tau_rank,
-                                      RP=triton.next_power_of_2(tau_rank),
-                                      CHUNK=min(tau_chunk, triton.next_power_of_2(group)), num_warps=num_warps)
-    else:  # too few columns for the bound: every key is a candidate
-        tau = torch.full((rows,), -(2**63), dtype=torch.int64, device=dev)
-    count = torch.zeros(rows, dtype=torch.int32, device=dev)
-    cand = _empty((rows, cap), torch.int64, dev)
-    _collect_kernel[(rows, n_chunks)](scores, tau, count, cand, T, N, cap, scores.stride(0), scores.stride(1),
-                                      KP=kp, CHUNK=chunk, num_warps=num_warps)
-    id_src = ids if ids is not None else out
-    _final_kernel[(rows,)](cand, count, id_src, out, T, N, k, cap, *id_src.stride(), out.stride(0), out.stride(1),
-                           KP=kp, HAS_IDS=ids is not None, num_warps=final_warps)
+    keys = _empty((B, T, N), torch.int64, dev)
+    _keys_kernel[(B * T, triton.cdiv(N, block))](scores, keys, T, N, scores.stride(0), scores.stride(1),
+                                                  BLOCK=block, num_warps=num_warps)
+    best = torch.topk(keys, min(k, N), dim=-1, sorted=False).values  # (B, T, k')
+    col = (N - 1) - (best & 0xFFFFFFFF)  # the low word holds N − 1 − column
+    col = torch.where(best > _KEY_MIN.value, col, N).sort(dim=-1).values  # −inf picks sort last
+    picked = col < N
+    if ids is not None:
+        col = ids.gather(-1, col.clamp(max=N - 1))
+    out = torch.where(picked, col, -1)
+    if k > N:
+        out = torch.cat((out, out.new_full((B, T, k - N), -1)), dim=-1)
     return out
