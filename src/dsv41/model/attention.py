@@ -17,8 +17,9 @@ The indexer learns from an auxiliary KL loss (SPEC §3 decision): target = main 
 probability over the entries the layer may select (heads summed, renormalized), prediction =
 softmax of the index scores over the same entries; the indexer's inputs are detached.
 
-This is the eager, readable path (the executable spec); `attend` is the torch twin of the sparse
-attention kernel.
+This is the eager, readable path (the executable spec) that training runs; the engine calls the
+fused kernels in `kernels.ops`, whose torch twins are built from `attend_gathered`, `Indexer.scores`,
+`select_topk` and `select_candidate_blocks` here.
 """
 
 from __future__ import annotations
