@@ -71,15 +71,16 @@ class PagedRows:
         self.n_rows = 0
         self._table: Tensor | None = None
 
-    def reserve(self, n: int) -> Tensor:
-        """Claim the next n rows (allocating pages) and return their pool row ids (n,) int64."""
+    def reserve(self, n: int) -> list[int]:
+        """Claim the next n rows (allocating pages) and return their pool row ids (host ints: the
+        engine gathers a whole batch's ids into one tensor)."""
         need = -(-(self.n_rows + n) // self.page_rows)
         while len(self.page_ids) < need:
             self.page_ids.append(self.pool.alloc())
             self._table = None
-        logical = torch.arange(self.n_rows, self.n_rows + n, device=self.device)
+        first, R = self.n_rows, self.page_rows
         self.n_rows += n
-        return self.row_ids(logical)
+        return [self.page_ids[i // R] * R + i % R for i in range(first, first + n)]
 
     def row_ids(self, index: Tensor) -> Tensor:
         """Pool row ids of logical rows `index` (any shape, all valid)."""
@@ -88,7 +89,7 @@ class PagedRows:
     def append(self, rows: Tensor) -> None:
         """rows: (n, row_bytes) uint8."""
         if rows.size(0):
-            ids = self.reserve(rows.size(0))  # may grow the pool: read `pool.rows` after
+            ids = torch.tensor(self.reserve(rows.size(0)), device=self.device)  # may grow the pool
             self.pool.rows[ids] = rows.to(self.device)
 
     def read(self, start: int = 0, end: int | None = None) -> Tensor:

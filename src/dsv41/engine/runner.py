@@ -161,39 +161,43 @@ class Runner:
         """Pool each sequence's newly completed groups; write entries and index keys into its pages."""
         attn = self.model.layers[layer_id].attn
         comp, m = attn.compressor, attn.ratio
-        latents, starts, kv_rows, index_rows = [], [], [], []
-        for b, s in enumerate(seqs):
-            xb, first = x[b], record.start[b]
-            if m == 1:
-                latent, group_start = comp.norm(comp.wkv(xb)), positions[b]
-            else:
-                kv, score = comp.project(xb)  # (T, D) fp32
+        kv_rows: list[int] = []
+        index_rows: list[int] = []
+        record.tables.pop(layer_id, None)
+        if m == 1:  # every token is an entry: one projection for the whole batch
+            latent, starts = comp.norm(comp.wkv(x)).flatten(0, 1), positions.flatten()  # (B·T, D), (B·T,)
+            for s in seqs:
+                kv_rows += s.entry_stores[layer_id].kv.reserve(x.size(1))
+                index_rows += s.entry_stores[layer_id].index_k.reserve(x.size(1))
+        else:
+            latents, group_starts = [], []
+            for b, s in enumerate(seqs):
+                kv, score = comp.project(x[b])  # (T, D) fp32
                 if layer_id in s.pending:
                     kv_p, score_p = s.pending.pop(layer_id)
                     kv, score = torch.cat((kv_p, kv)), torch.cat((score_p, score))
                 n = kv.size(0) // m
-                group0 = first - (kv.size(0) - xb.size(0))  # position of the first pending token
+                group0 = record.start[b] - (kv.size(0) - x.size(1))  # position of the first pending token
                 if kv.size(0) % m:
                     s.pending[layer_id] = (kv[n * m:], score[n * m:])
                 if n == 0:
                     continue
                 pooled = comp.pool(kv[:n * m].view(n, m, -1), score[:n * m].view(n, m, -1))
-                latent = comp.norm(pooled.to(x.dtype))
-                group_start = group0 + m * torch.arange(n, device=x.device)
-            store = s.entry_stores[layer_id]
-            latents.append(latent)
-            starts.append(group_start)
-            kv_rows.append(store.kv.reserve(latent.size(0)))
-            index_rows.append(store.index_k.reserve(latent.size(0)))
-        record.tables.pop(layer_id, None)
-        if not latents:
-            return
-        latent = torch.cat(latents).unsqueeze(0)  # (1, N, D) pre-RoPE
-        cos, sin = attn.angles(torch.cat(starts).unsqueeze(0))  # rotated at each group's first position
+                latents.append(comp.norm(pooled.to(x.dtype)))
+                group_starts.append(group0 + m * torch.arange(n, device=x.device))
+                kv_rows += s.entry_stores[layer_id].kv.reserve(n)
+                index_rows += s.entry_stores[layer_id].index_k.reserve(n)
+            if not latents:
+                return
+            latent, starts = torch.cat(latents), torch.cat(group_starts)
+        latent = latent.unsqueeze(0)  # (1, N, D) pre-RoPE
+        cos, sin = attn.angles(starts.unsqueeze(0))  # rotated at each group's first position
         index_k = attn.indexer.k_norm(attn.indexer.wk(latent))  # (1, N, Di) pre-RoPE
-        ops.rope_quantize(latent, cos, sin, "kv_fp4", record.pools.kv[layer_id].rows, torch.cat(kv_rows)[None])
+        device = x.device
+        ops.rope_quantize(latent, cos, sin, "kv_fp4", record.pools.kv[layer_id].rows,
+                          torch.tensor(kv_rows, device=device)[None])
         ops.rope_quantize(index_k, cos, sin, "index_fp4", record.pools.index[layer_id].rows,
-                          torch.cat(index_rows)[None])
+                          torch.tensor(index_rows, device=device)[None])
 
     def _index(self, layer_id: int, x: Tensor, qr: Tensor, seqs: list[SequenceCache], positions: Tensor,
                record: StepRecord) -> Tensor:
