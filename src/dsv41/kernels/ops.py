@@ -82,9 +82,11 @@ def _use_triton(*tensors: Tensor | None) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
 
 
-def _impl(family: str, name: str, *tensors: Tensor | None):
-    """The function `name` of kernels.triton.<family> or kernels.ref.<family>."""
-    package = "triton" if _use_triton(*tensors) else "ref"
+def _impl(family: str, name: str, *tensors: Tensor | None, supported: bool = True):
+    """The function `name` of kernels.triton.<family> or kernels.ref.<family>; `supported=False`
+    (a dtype the kernel does not take) keeps `auto` on the twin."""
+    use = _use_triton(*tensors) and (supported or _backend.get() == "triton")
+    package = "triton" if use else "ref"
     return getattr(importlib.import_module(f"dsv41.kernels.{package}.{family}"), name)
 
 
@@ -172,6 +174,8 @@ def select_blocks(block_max: Tensor, newest: Tensor, k_blocks: int) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # Single-pass mHC (SPEC §5): one pass over the streams after a sublayer.
 
+_MHC_FLOATS = {torch.float32, torch.bfloat16}  # what the Triton kernels take (fp16 runs the twin)
+
 
 def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor | None,
              norm_eps: float) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -184,13 +188,13 @@ def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_f
       mixes = (flatten(h_new) @ hc_fnᵀ)·rsqrt(mean(flatten(h_new)²) + norm_eps)  (B, T, (2+n)·n)
               fp32 from the rounded h_new, or None when hc_fn is None.
     """
-    fn = _impl("mhc", "mhc_post", h, f, post, comb, pre, hc_fn)
+    fn = _impl("mhc", "mhc_post", h, f, post, comb, pre, hc_fn, supported=_MHC_FLOATS.issuperset((h.dtype, f.dtype)))
     return fn(h, f, post, comb, pre, hc_fn, norm_eps)
 
 
 def mhc_mixes(h: Tensor, hc_fn: Tensor, norm_eps: float) -> Tensor:
     """The coefficient projection alone: (flatten(h) @ hc_fnᵀ)·rsqrt(mean(flatten(h)²) + eps), fp32."""
-    return _impl("mhc", "mhc_mixes", h, hc_fn)(h, hc_fn, norm_eps)
+    return _impl("mhc", "mhc_mixes", h, hc_fn, supported=h.dtype in _MHC_FLOATS)(h, hc_fn, norm_eps)
 
 
 def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int, eps: float
