@@ -14,6 +14,7 @@ from torch import Tensor
 from dsv41.kernels import ops
 from dsv41.kernels.ops import use_backend
 from dsv41.kernels.ref import indexer as ref
+from dsv41.kernels.ref.cache_write import dequantize_rows
 from dsv41.model.attention import Indexer, select_candidate_blocks, select_topk
 from dsv41.quant.fp4 import INDEX_BLOCK, fake_quant_index_fp4, fp4_decode, quantize_fp4
 from dsv41.quant.fp8 import e8m0_to_float
@@ -40,7 +41,7 @@ def _pool(n_pages: int, page_rows: int, Di: int, gen: torch.Generator, device="c
     x[:, :Di // 2] *= 0.25  # scale blocks differ inside a key
     packed, scales = quantize_fp4(x.to(device), INDEX_BLOCK, "e8m0")
     pool = torch.cat([packed, scales], dim=-1).view(n_pages, page_rows, -1)
-    return pool, ref.key_values(pool.view(n_pages * page_rows, -1), Di)
+    return pool, dequantize_rows(pool.view(n_pages * page_rows, -1), "index_fp4", Di)
 
 
 def _case(B, T, Hi, Di, page_rows, n_keys, gen, device="cpu", spare_pages=3):

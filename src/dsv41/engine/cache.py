@@ -23,9 +23,8 @@ import torch
 from torch import Tensor
 
 from dsv41.config import ModelConfig
+from dsv41.kernels.ref.cache_write import CACHE_LAYOUTS, dequantize_rows, quantize_rows
 from dsv41.plan import FULL, layer_plan
-from dsv41.quant.fp4 import INDEX_BLOCK, KV_BLOCK, dequantize_fp4, quantize_fp4
-from dsv41.quant.fp8 import WINDOW_BLOCK, dequantize_fp8, quantize_fp8
 
 PAGE_ROWS = 256  # entries per page of the paged global-KV store
 
@@ -115,10 +114,6 @@ class PagedRows:
         self.page_ids, self.n_rows, self._table = [], 0, None
 
 
-def _split(rows: Tensor, packed_bytes: int) -> tuple[Tensor, Tensor]:
-    return rows[..., :packed_bytes], rows[..., packed_bytes:]
-
-
 @dataclass
 class EntryStore:
     """The packed compressed entries and index keys of one kv-source layer."""
@@ -133,8 +128,8 @@ class EntryStore:
     index_k: PagedRows = field(init=False)
 
     def __post_init__(self) -> None:
-        self.kv_bytes = self.head_dim // 2 + self.head_dim // KV_BLOCK
-        self.index_bytes = self.index_head_dim // 2 + self.index_head_dim // INDEX_BLOCK
+        self.kv_bytes = CACHE_LAYOUTS["kv_fp4"].row_bytes(self.head_dim)
+        self.index_bytes = CACHE_LAYOUTS["index_fp4"].row_bytes(self.index_head_dim)
         self.kv = PagedRows(self.kv_bytes, self.device, pool=self.kv_pool)
         self.index_k = PagedRows(self.index_bytes, self.device, pool=self.index_pool)
 
@@ -144,17 +139,15 @@ class EntryStore:
 
     def append(self, entries: Tensor, index_keys: Tensor) -> None:
         """entries (n, head_dim), index_keys (n, index_head_dim) in float → packed rows."""
-        packed, scales = quantize_fp4(entries, KV_BLOCK, "e4m3")
-        self.kv.append(torch.cat((packed, scales), dim=-1))
-        packed, scales = quantize_fp4(index_keys, INDEX_BLOCK, "e8m0")
-        self.index_k.append(torch.cat((packed, scales), dim=-1))
+        self.kv.append(quantize_rows(entries, "kv_fp4"))
+        self.index_k.append(quantize_rows(index_keys, "index_fp4"))
 
     def entries(self, index: Tensor | None = None) -> Tensor:
         rows = self.kv.read() if index is None else self.kv.gather(index)
-        return dequantize_fp4(*_split(rows, self.head_dim // 2), KV_BLOCK, "e4m3")
+        return dequantize_rows(rows, "kv_fp4", self.head_dim)
 
     def index_keys(self) -> Tensor:
-        return dequantize_fp4(*_split(self.index_k.read(), self.index_head_dim // 2), INDEX_BLOCK, "e8m0")
+        return dequantize_rows(self.index_k.read(), "index_fp4", self.index_head_dim)
 
     @property
     def bytes_per_entry(self) -> int:
@@ -172,7 +165,7 @@ class RingPool:
 
     def __init__(self, n_layers: int, window: int, head_dim: int, device: torch.device):
         self.n_layers, self.window, self.head_dim = n_layers, window, head_dim
-        self.row_bytes = head_dim + head_dim // WINDOW_BLOCK
+        self.row_bytes = CACHE_LAYOUTS["window_fp8"].row_bytes(head_dim)
         self.device = torch.device(device)
         self.rows = torch.empty(n_layers, 0, window, self.row_bytes, dtype=torch.uint8, device=self.device)
         self.positions = torch.empty(n_layers, 0, window, dtype=torch.long, device=self.device)
@@ -224,14 +217,13 @@ class WindowRing:
     def write(self, kv: Tensor, positions: Tensor) -> None:
         """kv (n, head_dim) float at absolute positions (n,); only the last `window` matter."""
         kv, positions = kv[-self.window:], positions[-self.window:]
-        values, scales = quantize_fp8(kv)
         slots = positions % self.window
-        self.pool.rows[self.layer, self.slot, slots] = torch.cat((values, scales), dim=-1)
+        self.pool.rows[self.layer, self.slot, slots] = quantize_rows(kv, "window_fp8")
         self.positions[slots] = positions
 
     def read(self) -> tuple[Tensor, Tensor]:
         """(window, head_dim) float KV and (window,) positions (-1 = empty)."""
-        return dequantize_fp8(self.values, self.scales), self.positions
+        return dequantize_rows(self.pool.rows[self.layer, self.slot], "window_fp8", self.head_dim), self.positions
 
     def clear(self) -> None:
         self.positions.fill_(-1)
@@ -257,8 +249,8 @@ class CachePools:
         c = config
         self.device = torch.device(device)
         self.plans = layer_plan(c)
-        kv_bytes = c.head_dim // 2 + c.head_dim // KV_BLOCK
-        index_bytes = c.index_head_dim // 2 + c.index_head_dim // INDEX_BLOCK
+        kv_bytes = CACHE_LAYOUTS["kv_fp4"].row_bytes(c.head_dim)
+        index_bytes = CACHE_LAYOUTS["index_fp4"].row_bytes(c.index_head_dim)
         self.kv = {p.layer_id: RowPool(kv_bytes, self.device) for p in self.plans if p.mode == FULL}
         self.index = {p.layer_id: RowPool(index_bytes, self.device) for p in self.plans if p.mode == FULL}
         self.rings = RingPool(c.n_layers, c.window_size, c.head_dim, self.device)

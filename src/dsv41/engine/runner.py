@@ -126,7 +126,7 @@ class Runner:
             if plan.mode == FULL and compress:
                 self._compress(layer_id, x, seqs, positions, record)
             if plan.mode in (FULL, REINDEX):
-                record.topk = self._index(layer_id, x, qr, seqs, positions, record)
+                record.topk = self._index(layer_id, x, qr, cos, sin, seqs, positions, record)
             kv_table = self._tables(plan.kv_source, seqs, record)[0]
             entry_args = dict(entry_pool=record.pools.kv[plan.kv_source].rows, page_table=kv_table,
                               page_rows=record.pools.kv[plan.kv_source].page_rows, topk=record.topk)
@@ -199,15 +199,14 @@ class Runner:
         ops.rope_quantize(index_k, cos, sin, "index_fp4", record.pools.index[layer_id].rows,
                           torch.tensor(index_rows, device=device)[None])
 
-    def _index(self, layer_id: int, x: Tensor, qr: Tensor, seqs: list[SequenceCache], positions: Tensor,
-               record: StepRecord) -> Tensor:
+    def _index(self, layer_id: int, x: Tensor, qr: Tensor, cos: Tensor, sin: Tensor, seqs: list[SequenceCache],
+               positions: Tensor, record: StepRecord) -> Tensor:
         """Top-k entry indices (B, T, K) for every query; candidate blocks at the candidate source."""
         attn = self.model.layers[layer_id].attn
         plan = self.plans[layer_id]
         pool = record.pools.index[plan.kv_source]
         _, tables, counts = self._tables(plan.kv_source, seqs, record)
         n_max = max(s.entry_stores[plan.kv_source].n_entries for s in seqs)
-        cos, sin = attn.angles(positions)
         iq = attn.indexer.queries(qr, cos, sin, True)  # (B, T, Hi, Di) FP4 values
         weights = attn.indexer.head_weights(x)  # (B, T, Hi)
         visible_end = (positions + 1) // attn.ratio  # entries before it have completed

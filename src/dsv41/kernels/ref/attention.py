@@ -12,21 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dsv41.kernels.ref.cache_write import dequantize_rows
 from dsv41.model.attention import attend_gathered
-from dsv41.quant.fp4 import KV_BLOCK, dequantize_fp4
-from dsv41.quant.fp8 import WINDOW_BLOCK, dequantize_fp8
 
 _GATHER_ELEMENTS = 1 << 24  # dequantized entry values held at once (64 MB of fp32)
-
-
-def window_values(rows: Tensor, dim: int) -> Tensor:
-    """FP8 window rows (..., D + D/32) uint8 → (..., D) fp32."""
-    return dequantize_fp8(rows[..., :dim], rows[..., dim:], WINDOW_BLOCK)
-
-
-def entry_values(rows: Tensor, dim: int) -> Tensor:
-    """Packed FP4 entry rows (..., D/2 + D/16) uint8 → (..., D) fp32."""
-    return dequantize_fp4(rows[..., :dim // 2], rows[..., dim // 2:], KV_BLOCK, "e4m3")
 
 
 def entry_rows(entry_pool: Tensor, page_table: Tensor, page_rows: int, topk: Tensor) -> tuple[Tensor, Tensor]:
@@ -49,10 +38,10 @@ def window_keys(q_pos: Tensor, window: int, ring_kv: Tensor | None, ring_pos: Te
     keys, positions = [], []
     if ring_kv is not None:
         ids = ring_ids.long() if ring_ids is not None else torch.arange(B, device=ring_kv.device)
-        keys.append(window_values(ring_kv[ids], dim))  # (B, W, D)
+        keys.append(dequantize_rows(ring_kv[ids], "window_fp8", dim))  # (B, W, D)
         positions.append(ring_pos[ids].long())  # (B, W), −1 = empty
     if chunk_kv is not None:
-        keys.append(window_values(chunk_kv, dim))  # (B, T, D)
+        keys.append(dequantize_rows(chunk_kv, "window_fp8", dim))  # (B, T, D)
         positions.append(q_pos.long())
     if not keys:
         return q_pos.new_zeros(B, 0, dim, dtype=torch.float32), q_pos.new_zeros(B, q_pos.size(1), 0, dtype=torch.bool)
@@ -82,6 +71,6 @@ def sparse_attention(q: Tensor, q_pos: Tensor, sink: Tensor, scale: float, windo
     out = []
     for t0 in range(0, T, step):
         rows, valid = entry_rows(entry_pool, page_table, page_rows, topk[:, t0:t0 + step])
-        entries = entry_values(rows, D).masked_fill(~valid.unsqueeze(-1), 0.0)  # (B, t, K, D)
+        entries = dequantize_rows(rows, "kv_fp4", D).masked_fill(~valid.unsqueeze(-1), 0.0)  # (B, t, K, D)
         out.append(attend_gathered(q[:, t0:t0 + step], kv, mask[:, t0:t0 + step], entries, valid, sink, scale))
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)

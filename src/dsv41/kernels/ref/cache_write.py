@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from dsv41.model.rope import apply_rope
-from dsv41.quant.fp4 import INDEX_BLOCK, KV_BLOCK, quantize_fp4
-from dsv41.quant.fp8 import WINDOW_BLOCK, quantize_fp8
+from dsv41.quant.fp4 import INDEX_BLOCK, KV_BLOCK, dequantize_fp4, quantize_fp4
+from dsv41.quant.fp8 import WINDOW_BLOCK, dequantize_fp8, quantize_fp8
 
 
 class CacheLayout(NamedTuple):
@@ -42,14 +42,22 @@ CACHE_LAYOUTS = {
 
 
 def quantize_rows(y: Tensor, fmt: str) -> Tensor:
-    """Rotated values y (..., D) → cache rows (..., row_bytes) uint8: [payload | scales]."""
-    if fmt == "window_fp8":
-        payload, scales = quantize_fp8(y)
-    elif fmt == "kv_fp4":
-        payload, scales = quantize_fp4(y, KV_BLOCK, "e4m3")
+    """Values y (..., D) → cache rows (..., row_bytes) uint8: [payload | scales]."""
+    layout = CACHE_LAYOUTS[fmt]
+    if layout.fp4:
+        payload, scales = quantize_fp4(y, layout.block, "e8m0" if layout.e8m0 else "e4m3")
     else:
-        payload, scales = quantize_fp4(y, INDEX_BLOCK, "e8m0")
+        payload, scales = quantize_fp8(y, layout.block)
     return torch.cat((payload, scales), dim=-1)
+
+
+def dequantize_rows(rows: Tensor, fmt: str, dim: int) -> Tensor:
+    """Cache rows (..., row_bytes) of `dim` channels → fp32 values (..., dim), exactly the fake-quant."""
+    layout = CACHE_LAYOUTS[fmt]
+    payload, scales = rows[..., :layout.payload_bytes(dim)], rows[..., layout.payload_bytes(dim):]
+    if layout.fp4:
+        return dequantize_fp4(payload, scales, layout.block, "e8m0" if layout.e8m0 else "e4m3")
+    return dequantize_fp8(payload, scales, layout.block)
 
 
 def check_args(x: Tensor, cos: Tensor, sin: Tensor, fmt: str, out_rows: Tensor, row_index: Tensor

@@ -14,15 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dsv41.kernels.ref.cache_write import dequantize_rows
 from dsv41.model.attention import Indexer, select_topk
-from dsv41.quant.fp4 import INDEX_BLOCK, dequantize_fp4
 
 _GATHER_ELEMENTS = 1 << 24  # dequantized key values held at once by `indexer_scores_blocks` (64 MB fp32)
-
-
-def key_values(rows: Tensor, dim: int) -> Tensor:
-    """Index-key rows (..., Di/2 + Di/32) uint8 → (..., Di) fp32."""
-    return dequantize_fp4(rows[..., :dim // 2], rows[..., dim // 2:], INDEX_BLOCK, "e8m0")
 
 
 def key_rows(key_pool: Tensor, page_table: Tensor, page_rows: int, entries: Tensor, stored: Tensor) -> Tensor:
@@ -58,7 +53,7 @@ def indexer_scores(q: Tensor, weights: Tensor, key_pool: Tensor, page_table: Ten
     if key_pool.numel() == 0:
         stored = torch.zeros_like(stored)
     rows = key_rows(key_pool, page_table, page_rows, e.expand(B, n_max), stored)  # (B, n_max, row_bytes)
-    keys = key_values(rows, Di)  # (B, n_max, Di)
+    keys = dequantize_rows(rows, "index_fp4", Di)  # (B, n_max, Di)
     scores = Indexer.scores(q, weights, keys)  # (B, T, n_max) fp32
     visible = e < _limit(n_keys, visible_end).unsqueeze(-1)  # (B, T, n_max)
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -81,7 +76,8 @@ def indexer_scores_blocks(q: Tensor, weights: Tensor, key_pool: Tensor, page_tab
     step = max(1, _GATHER_ELEMENTS // max(1, B * M * Di))  # queries per chunk
     for t0 in range(0, T, step):
         sl = slice(t0, t0 + step)
-        keys = key_values(key_rows(key_pool, page_table, page_rows, e[:, sl], stored[:, sl]), Di)  # (B, t, M, Di)
+        rows = key_rows(key_pool, page_table, page_rows, e[:, sl], stored[:, sl])
+        keys = dequantize_rows(rows, "index_fp4", Di)  # (B, t, M, Di)
         n = keys.size(1)
         # every query has its own keys: score each (b, t) as a batch of one query
         s = Indexer.scores(q[:, sl].reshape(B * n, 1, Hi, Di), weights[:, sl].reshape(B * n, 1, Hi),
