@@ -83,7 +83,8 @@ def _prefill_case(device: torch.device) -> dict:
     return dict(name="scores prefill T=256", shape=f"B={B} T={T} Hi={HI} Di={DI} N={n_keys} block={BLOCK}",
                 unit="flop", work=work, ceiling="matmul", triton=run_triton, torch=run_torch,
                 note="2 queries per program (N = 64 of the dot), keys re-read T/2 times from L2: FP8 MMA + "
-                     "decode ALU bound; ceiling is the bf16 matmul peak (FP8 would be 2×)")
+                     "decode ALU bound; ceiling is the bf16 matmul peak (FP8 would be 2×)",
+                sweep=lambda **kn: fused.indexer_scores(**args, n_max=n_keys, block_size=BLOCK, **kn))
 
 
 def _blocks_case(device: torch.device) -> dict:
@@ -107,7 +108,8 @@ def _blocks_case(device: torch.device) -> dict:
     return dict(name="scores Reindex blocks B=16", shape=f"B={B} T=1 Hi={HI} Di={DI} {KEEP_BLOCKS}×{BLOCK} entries",
                 unit="byte", work=work, ceiling="copy", triton=run_triton, torch=run_torch,
                 note="per-entry page lookups, 544-byte runs scattered over 1M-key sequences; 128 programs "
-                     "per query: latency of the gathers")
+                     "per query: latency of the gathers",
+                sweep=lambda **kn: fused.indexer_scores_blocks(**args, blocks=blocks, block_size=BLOCK, **kn))
 
 
 def _topk_case(name: str, rows: int, N: int, k: int, device: torch.device, note: str) -> dict:

@@ -52,7 +52,8 @@ def cases(device: torch.device) -> list[dict]:
     out = [
         _post_case("mhc_post prefill", 1, 16384, 5120, device, True,
                    "bandwidth-bound if the 24-output projection (3 bf16 MMAs per fp32 product, ~10 FLOP/B) "
-                   "overlaps the stream; 256 programs of 64 tokens, hc_fn from L2"),
+                   "overlaps the stream; fused design: hc_fn pre-split once into bf16 planes (L2), 256 programs "
+                   "of 64 tokens × 32 channels, 2 per SM, next chunk prefetched into registers"),
         _post_case("mhc_post prefill, last pass", 1, 16384, 5120, device, False,
                    "pure stream: residual update + collapse, no projection"),
         _post_case("mhc_post small preset", 4, 16384, 384, device, True,
@@ -70,7 +71,8 @@ def cases(device: torch.device) -> list[dict]:
         work=M * (N * d * 2 + K * 4) + K * N * d * 4, ceiling="copy",
         triton=torch.no_grad()(lambda: fused.mhc_mixes(h, fn, 1e-6)),
         torch=torch.no_grad()(lambda: twin.mhc_mixes(h, fn, 1e-6)),
-        note="read-only stream of h; the projection is the same MMA work per byte ×2 as in mhc_post"))
+        note="read-only stream of h; the projection is the same MMA work per byte ×2 as in mhc_post",
+        sweep=lambda **knobs: fused.mhc_mixes(h, fn, 1e-6, **knobs)))
 
     g = torch.Generator(device=device).manual_seed(8)
     mixes = torch.randn(1, 16384, K, generator=g, device=device)

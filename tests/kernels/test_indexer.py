@@ -188,6 +188,52 @@ def test_scores_match_twin(case):
     assert bool(want.isfinite().any()) and bool((want == float("-inf")).any())  # the case tests both
 
 
+LAYOUT_CASES = [  # page_rows, n_keys, n_max, block_size, knobs (Di = 128: the `mma` tile design)
+    (32, [70, 33], 75, 8, dict(block_n=16, tiles=3, prefetch=1)),  # several tiles per program, ragged
+    (32, [70, 33], 75, 8, dict(block_n=16, tiles=2, prefetch=0)),
+    (24, [61, 9], 64, 4, dict(block_n=16, tiles=2)),  # page_rows ∤ block_n: page lookup per entry
+    (64, [100, 64], 128, 16, dict(block_n=64, tiles=1, num_warps=4)),  # rows over 4 warps (`_rows5`)
+    (64, [100, 64], 128, 16, dict(block_n=64, tiles=2, num_warps=8, block_t=2)),  # 2 queries, 4 row-warps
+]
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_scores_tile_designs(case):
+    """Di = 128 through both tile designs (`mma`: split channel order, row-form loads, prefetch; `v1`)."""
+    page_rows, n_keys, n_max, bs, knobs = case
+    B, T, Hi, Di = 2, 3, 4, 128
+    gen = torch.Generator().manual_seed(page_rows + n_max)
+    args, _ = _case(B, T, Hi, Di, page_rows, n_keys, gen)
+    args["visible_end"] = torch.stack([torch.randint(-1, n_max + 3, (T,), generator=gen) for _ in range(B)])
+    args["visible_end"][0, 0] = n_max
+    want, want_max = ref.indexer_scores(**args, n_max=n_max, block_size=bs)
+    mag = _magnitude(args, n_max=n_max)
+    for layout in tri.LAYOUTS:
+        for mma in tri.MMAS:
+            got, got_max = tri.indexer_scores(**args, n_max=n_max, block_size=bs, mma=mma, layout=layout, **knobs)
+            _assert_scores(got, want, mag, f"scores {layout} {mma} {knobs}")
+            _assert_scores(got_max, want_max, ref.block_maxima(mag, bs), f"block max {layout} {mma}")
+    assert bool(want.isfinite().any()) and bool((want == float("-inf")).any())
+
+
+def test_split_channel_order_matches_keys():
+    """The `mma` design's channel order (low nibbles, then high ones, per scale block) is the same
+    permutation on keys and queries: a key with one non-zero channel scores only against it."""
+    gen = torch.Generator().manual_seed(12)
+    B, T, Hi, Di, page_rows = 1, 1, 1, 128, 16
+    args, _ = _case(B, T, Hi, Di, page_rows, [16], gen)
+    q = torch.zeros(B, T, Hi, Di)
+    q[..., :] = torch.arange(Di) % 6 + 1.0  # distinct small integers: which channel met which is visible
+    keys = torch.zeros(16, Di)
+    keys[torch.arange(16), torch.randperm(Di, generator=gen)[:16]] = 1.0  # one channel per key
+    packed, scales = quantize_fp4(keys, INDEX_BLOCK, "e8m0")
+    args.update(q=q, weights=torch.ones(B, T, Hi), visible_end=torch.tensor([[16]]),
+                key_pool=torch.cat([packed, scales], dim=-1).view(1, 16, -1),
+                page_table=torch.zeros(1, 1, dtype=torch.int32))
+    got, _ = tri.indexer_scores(**args, n_max=16, block_n=16, layout="mma")
+    assert torch.equal(got[0, 0], (keys * q[0, 0, 0]).sum(-1)), got
+
+
 def test_scores_edges():
     """No visible key anywhere, n_max beyond every sequence, a single key; flat pool layout."""
     gen = torch.Generator().manual_seed(3)
@@ -244,6 +290,14 @@ def test_scores_blocks_match_twin_and_full():
     mag = _magnitude(args, blocks=blocks, block_size=bs)
     _assert_scores(got, want, mag, "block scores")
     _assert_scores(got2, want, mag, "block scores bf16")
+    # Di = 128 (the v41-flash width)
+    args128, _ = _case(B, T, Hi, 128, page_rows, n_keys, gen)
+    args128["visible_end"] = args["visible_end"]
+    want128 = ref.indexer_scores_blocks(**args128, blocks=blocks, block_size=bs)
+    mag128 = _magnitude(args128, blocks=blocks, block_size=bs)
+    for knobs in (dict(block_n=16, tiles=2), dict(block_n=32, tiles=1), dict(block_n=32, tiles=2, mma="bf16")):
+        got128 = tri.indexer_scores_blocks(**args128, blocks=blocks, block_size=bs, **knobs)
+        _assert_scores(got128, want128, mag128, f"block scores Di=128 {knobs}")
     # = the full scores at those entries (−inf for holes)
     full, _ = ref.indexer_scores(**args, n_max=64)
     j = torch.arange(nb * bs)
@@ -342,6 +396,10 @@ def test_bad_arguments():
         tri.indexer_scores(**args, n_max=10, mma="fp16")
     with pytest.raises(ValueError, match="block_n"):
         tri.indexer_scores(**args, n_max=10, block_n=24)
+    with pytest.raises(ValueError, match="layout"):
+        tri.indexer_scores(**args, n_max=10, layout="wgmma")
+    with pytest.raises(ValueError, match="prefetch"):
+        tri.indexer_scores(**args, n_max=10, prefetch=2)
     with pytest.raises(ValueError, match="scores must be"):
         tri.topk_indices(torch.zeros(2, 3), 2)
 
@@ -351,9 +409,10 @@ gpu = pytest.mark.gpu
 
 
 @gpu
+@pytest.mark.parametrize("layout", tri.LAYOUTS)
 @pytest.mark.parametrize("mma", tri.MMAS)
 @pytest.mark.parametrize("decode", ["asm"])  # "bits" is the interpreter's path
-def test_gpu_scores_full_size(mma, decode):
+def test_gpu_scores_full_size(mma, decode, layout):
     gen = torch.Generator().manual_seed(10)
     B, T, Hi, Di, page_rows = 2, 2, 32, 128, 256
     n_keys = [300_000, 123_457]
@@ -361,13 +420,15 @@ def test_gpu_scores_full_size(mma, decode):
     args["visible_end"] = torch.tensor([[300_000, 250_001], [123_457, 99_999]], device="cuda")
     n_max = 300_000
     want, want_max = ref.indexer_scores(**args, n_max=n_max, block_size=8)
-    got, got_max = tri.indexer_scores(**args, n_max=n_max, block_size=8, mma=mma, decode=decode)
     mag = _magnitude(args, n_max=n_max)
-    _assert_scores(got, want, mag, f"gpu scores {mma} {decode}")
-    _assert_scores(got_max, want_max, ref.block_maxima(mag, 8), "gpu block max")
+    for knobs in (dict(), dict(prefetch=0), dict(block_n=256, num_warps=8, tiles=2)):
+        got, got_max = tri.indexer_scores(**args, n_max=n_max, block_size=8, mma=mma, decode=decode, layout=layout,
+                                          **knobs)
+        _assert_scores(got, want, mag, f"gpu scores {mma} {decode} {layout} {knobs}")
+        _assert_scores(got_max, want_max, ref.block_maxima(mag, 8), "gpu block max")
     # prefill shape: several queries per program
     args["visible_end"] = torch.randint(0, n_max, (B, T), device="cuda")
-    got, _ = tri.indexer_scores(**args, n_max=n_max, mma=mma, decode=decode, block_t=2)
+    got, _ = tri.indexer_scores(**args, n_max=n_max, mma=mma, decode=decode, block_t=2, layout=layout)
     mag = _magnitude(args, n_max=n_max)  # the bound of the new visibility
     _assert_scores(got, ref.indexer_scores(**args, n_max=n_max)[0], mag, "gpu scores block_t 2")
 
@@ -384,8 +445,9 @@ def test_gpu_scores_blocks_full_size(mma):
     blocks = blocks.view(B, T, nb).cuda()
     blocks[0, 1, -100:] = -1
     want = ref.indexer_scores_blocks(**args, blocks=blocks, block_size=bs)
-    got = tri.indexer_scores_blocks(**args, blocks=blocks, block_size=bs, mma=mma)
-    _assert_scores(got, want, _magnitude(args, blocks=blocks, block_size=bs), f"gpu block scores {mma}")
+    for knobs in (dict(), dict(block_n=64, tiles=2)):
+        got = tri.indexer_scores_blocks(**args, blocks=blocks, block_size=bs, mma=mma, **knobs)
+        _assert_scores(got, want, _magnitude(args, blocks=blocks, block_size=bs), f"gpu block scores {mma} {knobs}")
 
 
 @gpu

@@ -198,6 +198,69 @@ def test_mhc_mixes_matches_twin(poisoned, monkeypatch, dtype, knobs):
     scaled_close(mixes, twin.mhc_mixes(h, fn, EPS), FP32_RTOL, "mixes")
 
 
+FUSED_CASES = [  # (dtype, B, T, d, knobs) for the pre-split-planes kernel (design="fused")
+    (torch.bfloat16, 1, 19, 48, dict(block_t=16, block_d=16)),  # ragged token tile, register prefetch, K = 64
+    (torch.bfloat16, 1, 23, 48, dict(block_t=16, block_d=32, split=2, prefetch=False, fn_cols=32)),  # ragged d
+    (torch.bfloat16, 1, 9, 40, dict(block_t=16, block_d=16, cat=False)),  # one dot group per stream
+    (torch.float32, 3, 5, 48, dict(block_t=16, block_d=16, split=3)),  # fp32 A: 6 MMAs, d spans + finish
+]
+
+
+@pytest.mark.parametrize("dtype,B,T,d,knobs", FUSED_CASES)
+def test_mhc_post_fused_matches_twin(poisoned, monkeypatch, dtype, B, T, d, knobs):
+    h, f, post, comb, pre, fn = streams(B, T, d, dtype, seed=71 + T + d)
+    _force_knobs(monkeypatch, dict(design="fused", **knobs))
+    with use_backend("triton"):
+        h_new, x, mixes = ops.mhc_post(h, f, post, comb, pre, fn, EPS)
+    expected = twin.mhc_post(h, f, post, comb, pre, fn, EPS)
+    if dtype == torch.bfloat16:
+        check_bf16_pass(h_new, x, mixes, expected, pre, fn)
+    else:
+        for got, exp, what in zip((h_new, x, mixes), expected, ("h_new", "x", "mixes")):
+            scaled_close(got, exp, FP32_RTOL, what)
+
+
+def test_mhc_fused_last_pass_and_mixes(poisoned, monkeypatch):
+    """The fused kernel without the projection (last pass) and without the update (`mhc_mixes`)."""
+    h, f, post, comb, pre, fn = streams(1, 21, 48, torch.bfloat16, seed=81)
+    _force_knobs(monkeypatch, dict(design="fused", block_t=16, block_d=32))
+    with use_backend("triton"):
+        h_new, x, none = ops.mhc_post(h, f, post, comb, pre, None, EPS)
+        mixes = ops.mhc_mixes(h, fn, EPS)
+    e_h, e_x, _ = twin.mhc_post(h, f, post, comb, pre, None, EPS)
+    assert none is None
+    bf16_ulp_close(h_new, e_h, "h_new")
+    bf16_ulp_close(x, hc_pre(h_new, pre), "x from h_new")
+    scaled_close(mixes, twin.mhc_mixes(h, fn, EPS), FP32_RTOL, "mixes")
+
+
+@pytest.mark.parametrize("d,d_pad,cols", [(40, 64, 24), (48, 48, 32)])
+def test_fn_split_planes_are_exact(poisoned, d, d_pad, cols):
+    """hi + mid + lo = hc_fn exactly, each plane bf16, rows 4·c + i = column i·d + c, zero padding."""
+    from dsv41.kernels.triton import mhc as triton_mhc
+
+    fn = torch.randn(K, N * d) * torch.logspace(-30, 30, N * d)  # every exponent range
+    w = triton_mhc._split_fn(fn, d, d_pad, cols)
+    assert w.shape == (3, N * d_pad, cols) and w.dtype == torch.bfloat16
+    expected = torch.zeros(N * d_pad, cols)
+    expected[: N * d, :K] = fn.reshape(K, N, d).permute(2, 1, 0).reshape(N * d, K)
+    total = w[0].float() + w[1].float() + w[2].float()  # exact: the pieces do not overlap
+    assert not torch.isnan(total).any(), "an element of the planes was not written"
+    assert torch.equal(total, expected)
+
+
+def test_design_knobs_are_checked():
+    h, f, post, comb, pre, fn = streams(1, 3, 32, torch.float32, seed=91)
+    from dsv41.kernels.triton import mhc as triton_mhc
+
+    with pytest.raises(ValueError, match="design"):
+        triton_mhc.mhc_post(h, f, post, comb, pre, fn, EPS, design="mega")
+    with pytest.raises(ValueError, match="needs precision"):
+        triton_mhc.mhc_post(h, f, post, comb, pre, fn, EPS, design="fused", precision="ieee")
+    with pytest.raises(ValueError, match="fn_cols"):
+        triton_mhc.mhc_mixes(h, fn, EPS, design="fused", fn_cols=16)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the ±1e4 logits, in the interpreter
 @pytest.mark.parametrize("n,iters,logit_scale", [(4, 20, 1.0), (4, 1, 1.0), (4, 20, 40.0), (3, 5, 1.0)])
 def test_mhc_split_matches_twin(poisoned, n, iters, logit_scale):
@@ -373,6 +436,25 @@ def test_gpu_mhc_post_v41_flash(B, T):
     with torch.no_grad(), use_backend("triton"):
         h_new, x, mixes = ops.mhc_post(h, f, post, comb, pre, fn, EPS)
     check_bf16_pass(h_new, x, mixes, twin.mhc_post(h, f, post, comb, pre, fn, EPS), pre, fn, (h, f, post, comb))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("design,knobs", [("fused", {}), ("fused", dict(prefetch=False, cat=False, fn_cols=32)),
+                                          ("fused", dict(block_t=128, num_warps=8, num_stages=1)), ("legacy", {})])
+@pytest.mark.parametrize("with_fn", [True, False])
+def test_gpu_mhc_post_designs(design, knobs, with_fn):
+    from dsv41.kernels.triton import mhc as triton_mhc
+
+    h, f, post, comb, pre, fn = streams(1, 4096 + 37, 5120, torch.bfloat16, seed=231, device="cuda", with_fn=with_fn)
+    h_new, x, mixes = triton_mhc.mhc_post(h, f, post, comb, pre, fn, EPS, design=design, **knobs)
+    expected = twin.mhc_post(h, f, post, comb, pre, fn, EPS)
+    if with_fn:
+        check_bf16_pass(h_new, x, mixes, expected, pre, fn, (h, f, post, comb))
+    else:
+        assert mixes is None
+        terms = hc_post(f.abs(), h.abs(), post, comb)
+        bf16_ulp_close(h_new, expected[0], "h_new", terms=terms)
+        bf16_ulp_close(x, hc_pre(h_new, pre), "x from h_new", terms=hc_pre(h_new.abs(), pre))
 
 
 @pytest.mark.gpu

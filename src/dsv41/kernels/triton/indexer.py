@@ -6,7 +6,19 @@ at row page_table[b, e // page_rows] · page_rows + e % page_rows; e ≥ min(vis
 n_keys[b]) scores −inf. `_scores_kernel` runs on a grid (⌈tiles / TILES⌉, ⌈T / BLOCK_T⌉, B): a
 program prepares its BLOCK_T queries × Hi heads once (the N side of `tl.dot`, heads padded to HP)
 and walks TILES tiles of BLOCK_N keys. BLOCK_N divides page_rows, so a tile is one page lookup and
-BLOCK_N · (Di/2 + Di/32) contiguous bytes. Per tile and 32-channel scale block c:
+BLOCK_N · (Di/2 + Di/32) contiguous bytes.
+
+Tile design ``layout="mma"`` (default; Di = 128, 4-byte aligned 68-byte rows): all of a tile's bytes
+are requested at once — per row and scale block one 4-byte load per thread, plus the row's four
+scale bytes as one word — and, with ``prefetch`` (default for one query per program), the next
+tile's bytes are in flight while this tile is computed (the tile loop is unrolled: a loop-carried
+byte tensor would cost a register per byte). The loads are shaped (8, W, 2, R0, 16) (`_rows5`) so
+that Triton's coalesced layout for them IS the wgmma A-operand layout, and each block's channels are
+taken in the order (0, 2, …, 30, 1, 3, …, 31) — the queries are permuted the same way — so a thread's
+4 bytes decode (low nibbles, high nibbles) straight into its own A registers: no interleave, no
+shared-memory layout conversion of the keys; the scale word makes one conversion per tile.
+``layout="v1"`` (the first design, Di ≠ 128 always): per block, load → decode → shared-memory
+layout conversion → dot, one block after the other. Per tile and 32-channel scale block c:
   * ``mma="fp8"`` (default): nibble s.e1e0.m → E4M3 byte s.000e1e0.m00 = code · 2^-6 exactly (E4M3
     subnormals hold the 0.5 code); on the GPU four bytes → eight E4M3 in 5 integer instructions
     (inline PTX, `_E4M3_PTX`). Queries are stored as q / σ in E4M3, σ a power of two per (t, h)
@@ -20,18 +32,21 @@ BLOCK_N · (Di/2 + Di/32) contiguous bytes. Per tile and 32-channel scale block 
 Epilogue: Σ_h w_h · relu(acc) over the head columns, −inf mask, store; the block maxima (block_size
 a power of two dividing BLOCK_N) in the same pass. `decode="bits"` replaces the inline PTX with
 portable integer code (always used under TRITON_INTERPRET=1, where the dots run in fp32).
-`_blocks_kernel` is the same tile computation over the entries of given blocks (Reindex layers):
-one query per program, a page lookup per entry.
+`_blocks_kernel` is the ``v1`` tile computation over the entries of given blocks (Reindex layers):
+one query per program, a page lookup per entry (gathered rows are only 4-byte aligned; a variant
+of the ``mma`` words for gathers faulted with misaligned addresses on the H200 and was dropped).
 
 What limits the scores (H200, Hi = 32, Di = 128, decode over 1M keys): 68 B read + 4 B written
-per key = 72 MB, 17 µs at 4.3 TB/s. Per key the SMs spend ~0.6 integer instructions per channel on
-the decode (fp8; ~2.5 for bf16), 4 × 32 FMAs applying the key scales (fp8 only), 32 × (relu, FMA,
-add) on the head sum, plus loads: ~300 (fp8) / ~420 (bf16) thread-instructions per key, against
-~520 issue slots per key available at 17 µs (132 SMs × 4 schedulers × 1.8 GHz × 32 lanes). So the
-kernel sits near the crossover of memory and instruction issue: the floor is the memory time,
-reached only if the decode overlaps the loads (several resident programs per SM, `tiles`,
-`num_stages`); bf16 is closer to issue-bound. The MMA (8.6 GFLOP: 11 µs of bf16 peak, 5.5 µs of
-FP8) runs on its own pipe but is not free for bf16.
+per key = 72 MB, 17 µs at 4.25 TB/s. Instruction issue is the other limit: per 128-key tile each
+warp (4 per program) issues ~550 SASS instructions with ``mma`` (v1: ~700): 4 × 32 FMAs applying
+the key scales, 32 × (relu, FMA) of the head sum, ~7 integer ops per 4 packed bytes of decode, 17
+loads, 8 QGMMA — i.e. ~17 warp-instructions per key against ~22 issue slots per key at 22.5 µs
+(132 SMs × 4 schedulers × 1.98 GHz). So the kernel needs both the memory in flight (≥ 2 tiles =
+17 KB per program with prefetch, 3 programs per SM at 168 registers) and a high issue rate; bf16
+decodes at ~2.6 instructions per channel and is issue-bound. The MMA (8.6 GFLOP: 11 µs of bf16
+peak, 5.5 µs of FP8) runs on its own pipe. Measured (H200, 2026-11-30): 46 µs = 38 % of copy with
+``mma`` + prefetch (tiles 4–8 within 1 %), 47 µs without the prefetch, 63 µs ``v1``; 8 warps ×
+256-key tiles 62 µs.
 
 Top-k. Every (score, column) is mapped to one int64 key that orders the way the model's stable
 sort does: the order-preserving int32 of the fp32 score (−0 folded into +0) in the high word and
@@ -55,6 +70,7 @@ from dsv41.kernels.triton.common import e8m0_to_f32, fp4_to_f32, interpreting, r
 
 MMAS = ("fp8", "bf16")
 DECODES = ("asm", "bits")
+LAYOUTS = ("mma", "v1")
 DEFAULT_MMA = "fp8"
 
 _KEY_MIN = tl.constexpr(-(2**63))  # below every real key (the padding of the top-k buffers)
@@ -107,10 +123,14 @@ mul.rn.bf16x2 $3, a16, $6;
 # --------------------------------------------------------------------------------------------- scores
 @triton.jit
 def _q_block(q_ptr, q_off, row_ok, stride_qd, BLK: tl.constexpr, inv_sigma, FP8: tl.constexpr,
-             F32: tl.constexpr):
-    """Query channels [32·BLK, 32·BLK + 32) as the dot's B operand (32, MQ)."""
+             F32: tl.constexpr, SPLIT: tl.constexpr):
+    """Query channels [32·BLK, 32·BLK + 32) as the dot's B operand (32, MQ); SPLIT: in the key
+    operand's order of `_key_block_mma` (even channels, then odd ones)."""
     c = BLK * 32 + tl.arange(0, 32)
     x = tl.load(q_ptr + q_off[:, None] + c[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if SPLIT:
+        MQ: tl.constexpr = x.shape[0]
+        x = tl.reshape(tl.permute(tl.reshape(x, (MQ, 16, 2)), (0, 2, 1)), (MQ, 32))
     if FP8:
         x = (x * inv_sigma[:, None]).to(tl.float8e4nv)  # exact: FP4 values over a power of two
         if F32:
@@ -124,7 +144,7 @@ def _q_block(q_ptr, q_off, row_ok, stride_qd, BLK: tl.constexpr, inv_sigma, FP8:
 @triton.jit
 def _queries(q_ptr, w_ptr, b, t0, T, stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh,
              HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr, FP8: tl.constexpr,
-             F32: tl.constexpr):
+             F32: tl.constexpr, SPLIT: tl.constexpr):
     """Rows m = t·HP + h of BLOCK_T queries from t0: effective head weights (MQ,) and the B operands
     of the Di/32 scale blocks (unused ones repeat block 0)."""
     NB: tl.constexpr = DI // 32
@@ -145,10 +165,10 @@ def _queries(q_ptr, w_ptr, b, t0, T, stride_qb, stride_qt, stride_qh, stride_qd,
         w = w * ((e + 6) << 23).to(tl.float32, bitcast=True)  # relu(σ·2^6·x) = σ·2^6·relu(x)
     else:
         inv_sigma = tl.full((MQ,), 1.0, tl.float32)
-    q0 = _q_block(q_ptr, q_off, row_ok, stride_qd, 0, inv_sigma, FP8, F32)
-    q1 = _q_block(q_ptr, q_off, row_ok, stride_qd, 1 % NB, inv_sigma, FP8, F32)
-    q2 = _q_block(q_ptr, q_off, row_ok, stride_qd, 2 % NB, inv_sigma, FP8, F32)
-    q3 = _q_block(q_ptr, q_off, row_ok, stride_qd, 3 % NB, inv_sigma, FP8, F32)
+    q0 = _q_block(q_ptr, q_off, row_ok, stride_qd, 0, inv_sigma, FP8, F32, SPLIT)
+    q1 = _q_block(q_ptr, q_off, row_ok, stride_qd, 1 % NB, inv_sigma, FP8, F32, SPLIT)
+    q2 = _q_block(q_ptr, q_off, row_ok, stride_qd, 2 % NB, inv_sigma, FP8, F32, SPLIT)
+    q3 = _q_block(q_ptr, q_off, row_ok, stride_qd, 3 % NB, inv_sigma, FP8, F32, SPLIT)
     return w, q0, q1, q2, q3
 
 
@@ -219,6 +239,134 @@ def _tile_acc(key_ptr, row_off, ok, q0, q1, q2, q3, DI: tl.constexpr, FP8: tl.co
 
 
 @triton.jit
+def _rows5(BLOCK_N: tl.constexpr, W: tl.constexpr):
+    """Tile rows m = d0 + 16·d1 + 8·d2 + 16·W·d3 as an (8, W, 2, BLOCK_N / 16W, 1) tensor. A load of
+    (…, 16) bytes at these rows gets Triton's coalesced layout (4 bytes per thread; then lanes, warps,
+    registers over the dims in index order): lanes = (4-byte word, d0), warps = d1, registers =
+    (d2, d3) — the wgmma A-operand layout of W warps. `_unfold5` makes it 2-D in row order."""
+    R0: tl.constexpr = BLOCK_N // (16 * W)
+    d0 = tl.arange(0, 8)[:, None, None, None, None]
+    d1 = tl.arange(0, W)[None, :, None, None, None] * 16
+    d2 = tl.arange(0, 2)[None, None, :, None, None] * 8
+    d3 = tl.arange(0, R0)[None, None, None, :, None] * (16 * W)
+    return d0 + d1 + d2 + d3
+
+
+@triton.jit
+def _unfold5(x):
+    """(8, W, 2, R0, C) in `_rows5` order → (BLOCK_N, C) in row order (no data movement)."""
+    W: tl.constexpr = x.shape[1]
+    R0: tl.constexpr = x.shape[3]
+    C: tl.constexpr = x.shape[4]
+    return tl.reshape(tl.permute(x, (3, 1, 2, 0, 4)), (R0 * W * 16, C))
+
+
+@triton.jit
+def _tile_raw(key_ptr, off5, ok5, off1, ok1):
+    """A tile's raw key bytes (Di = 128, 68-byte rows: 4-byte aligned), all loads issued at once:
+    the packed bytes of each scale block ((8, W, 2, R0, 16) uint8, `_rows5` rows: one 4-byte load
+    per thread and row) and the row's four E8M0 scale bytes as one int32 word (BLOCK_N,)."""
+    j = tl.arange(0, 16)[None, None, None, None, :]
+    rows = key_ptr + off5
+    p0 = tl.load(rows + j, mask=ok5, other=0)
+    p1 = tl.load(rows + (16 + j), mask=ok5, other=0)
+    p2 = tl.load(rows + (32 + j), mask=ok5, other=0)
+    p3 = tl.load(rows + (48 + j), mask=ok5, other=0)
+    sw = tl.load((key_ptr + off1 + 64).to(tl.pointer_type(tl.int32)), mask=ok1, other=0x7F7F7F7F)
+    return p0, p1, p2, p3, sw
+
+
+@triton.jit
+def _scale_of(sw, BLK: tl.constexpr):
+    """fp32 E8M0 scale 2^(byte − 127) (BLOCK_N,) of block BLK from the rows' scale words: the byte
+    moved straight into the exponent field; byte 0 (2^-127, subnormal) by an integer max."""
+    if BLK == 0:
+        bits = sw << 23
+    elif BLK == 1:
+        bits = sw << 15
+    elif BLK == 2:
+        bits = sw << 7
+    else:
+        bits = sw >> 1
+    return tl.maximum(bits & 0x7F800000, 0x00400000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key_block_mma(p5, scale, FP8: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+    """One scale block's keys (packed bytes p5, `_rows5` form) as the dot's A operand (BLOCK_N, 32)
+    in channel order (0, 2, …, 30, 1, 3, …, 31) — the low nibbles of bytes 0..15, then the high ones
+    — so each thread's 4 loaded bytes decode into its own A registers (no interleave, no layout
+    conversion, no shared memory)."""
+    x = _unfold5(p5)
+    BLOCK_N: tl.constexpr = x.shape[0]
+    if FP8:
+        if ASM:
+            lo, hi = tl.inline_asm_elementwise(_E4M3_PTX, "=r,=r,r", [x], dtype=(tl.uint8, tl.uint8),
+                                               is_pure=True, pack=4)
+        else:
+            p = x.to(tl.int32)
+            lo = (((p << 2) & 0x1C) | ((p << 4) & 0x80)).to(tl.uint8)
+            hi = (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.uint8)
+        k = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 32)).to(tl.float8e4nv, bitcast=True)
+        if F32:
+            k = k.to(tl.float32)
+    else:
+        if ASM:
+            s16 = tl.broadcast_to(scale.to(tl.bfloat16)[:, None], (BLOCK_N, 16))  # exact: a power of two
+            lo, hi = tl.inline_asm_elementwise(_BF16_PTX, "=r,=r,=r,=r,r,r,r", [x, s16],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            p = x.to(tl.int32)
+            lo = fp4_to_f32(p) * scale[:, None]
+            hi = fp4_to_f32(p >> 4) * scale[:, None]
+            if not F32:
+                lo = lo.to(tl.bfloat16)
+                hi = hi.to(tl.bfloat16)
+        k = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 32))
+    return k
+
+
+@triton.jit
+def _tile_acc_mma(p0, p1, p2, p3, sw, q0, q1, q2, q3, FP8: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+    """`_tile_acc` (Di = 128) on the raw words of `_tile_raw` (queries in the SPLIT channel order)."""
+    packed, queries = (p0, p1, p2, p3), (q0, q1, q2, q3)
+    s = _scale_of(sw, 0)
+    k = _key_block_mma(p0, s, FP8, ASM, F32)
+    acc = tl.dot(k, q0) * s[:, None] if FP8 else tl.dot(k, q0)
+    for c in tl.static_range(1, 4):
+        s = _scale_of(sw, c)
+        k = _key_block_mma(packed[c], s, FP8, ASM, F32)
+        if FP8:
+            acc += tl.dot(k, queries[c]) * s[:, None]
+        else:
+            acc = tl.dot(k, queries[c], acc)
+    return acc
+
+
+@triton.jit
+def _row_offsets(pt_ptr, b, stride_pb, stride_pp, n0, vis, e1, e5, PAGE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 ROW_BYTES: tl.constexpr):
+    """Byte offsets of entries e1 (BLOCK_N,) and e5 (`_rows5` form) of the tile at n0, and their
+    masks e < vis (nothing is read when vis ≤ n0)."""
+    ROW_ALIGN: tl.constexpr = ROW_BYTES & -ROW_BYTES  # rows are only this aligned (68 B: 4, 34 B: 2)
+    ok1 = e1 < vis
+    ok5 = e5 < vis
+    if PAGE_ROWS % BLOCK_N == 0:  # the tile lies in one page: row = r0 + e
+        page = tl.load(pt_ptr + b * stride_pb + (n0 // PAGE_ROWS) * stride_pp, mask=n0 < vis, other=0).to(tl.int64)
+        r0 = page * PAGE_ROWS + n0 % PAGE_ROWS - n0
+        off1 = (r0 + e1) * ROW_BYTES
+        off5 = (r0 + e5) * ROW_BYTES
+    else:
+        page1 = tl.load(pt_ptr + b * stride_pb + (e1 // PAGE_ROWS) * stride_pp, mask=ok1, other=0).to(tl.int64)
+        page5 = tl.load(pt_ptr + b * stride_pb + (e5 // PAGE_ROWS) * stride_pp, mask=ok5, other=0).to(tl.int64)
+        off1 = (page1 * PAGE_ROWS + e1 % PAGE_ROWS) * ROW_BYTES
+        off5 = (page5 * PAGE_ROWS + e5 % PAGE_ROWS) * ROW_BYTES
+    # pin what the alignment analysis may assume (it would assume more: misaligned loads)
+    off5 = tl.multiple_of(off5, [ROW_ALIGN, ROW_ALIGN, ROW_ALIGN, ROW_ALIGN, ROW_ALIGN])
+    return tl.multiple_of(off1, ROW_ALIGN), off5, ok1, ok5
+
+
+@triton.jit
 def _head_sum(acc, w, BLOCK_T: tl.constexpr, HP: tl.constexpr):
     """Σ_h w·relu(acc) over each query's HP head columns: (BLOCK_N, BLOCK_T·HP) → (BLOCK_T, BLOCK_N)."""
     BLOCK_N: tl.constexpr = acc.shape[0]
@@ -232,14 +380,13 @@ def _scores_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, out_ptr, bmax_
                    stride_vb, stride_vt, stride_ob, stride_ot, stride_mb, stride_mt,
                    HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr,
                    BLOCK_N: tl.constexpr, TILES: tl.constexpr, PAGE_ROWS: tl.constexpr, BS: tl.constexpr,
-                   FP8: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
-    ROW_BYTES: tl.constexpr = DI // 2 + DI // 32
-    ROW_ALIGN: tl.constexpr = ROW_BYTES & -ROW_BYTES  # rows are only this aligned (68 B: 4, 34 B: 2)
+                   FP8: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, MMA_LAYOUT: tl.constexpr,
+                   PREFETCH: tl.constexpr, ROW_WARPS: tl.constexpr):
     pid_n = tl.program_id(0)
     b = tl.program_id(2).to(tl.int64)
     t0 = tl.program_id(1).to(tl.int64) * BLOCK_T
     w, q0, q1, q2, q3 = _queries(q_ptr, w_ptr, b, t0, T, stride_qb, stride_qt, stride_qh, stride_qd, stride_wb,
-                                 stride_wt, stride_wh, HI, DI, HP, BLOCK_T, FP8, F32)
+                                 stride_wt, stride_wh, HI, DI, HP, BLOCK_T, FP8, F32, MMA_LAYOUT)
     tq = t0 + tl.arange(0, BLOCK_T)
     t_ok = tq < T
     n_keys = tl.load(nk_ptr + b).to(tl.int64)
@@ -247,6 +394,91 @@ def _scores_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, out_ptr, bmax_
     lim = tl.where(t_ok, tl.minimum(tl.minimum(lim, n_keys), n_max), 0)  # (BLOCK_T,) entries each query sees
     lim_max = tl.max(lim, axis=0)
     out_rows = out_ptr + b * stride_ob + tq * stride_ot
+    if MMA_LAYOUT:
+        _scores_tiles(q0, q1, q2, q3, w, key_ptr, pt_ptr, b, stride_pb, stride_pp, pid_n, n_max, n_bmax, lim, lim_max,
+                      out_rows, bmax_ptr + b * stride_mb + tq * stride_mt, t_ok, DI, HP, BLOCK_T, BLOCK_N, TILES,
+                      PAGE_ROWS, BS, FP8, ASM, F32, PREFETCH, ROW_WARPS)
+    else:
+        _scores_tiles_v1(q0, q1, q2, q3, w, key_ptr, pt_ptr, b, stride_pb, stride_pp, pid_n, n_max, n_bmax, lim,
+                         lim_max, out_rows, bmax_ptr + b * stride_mb + tq * stride_mt, t_ok, DI, HP, BLOCK_T, BLOCK_N,
+                         TILES, PAGE_ROWS, BS, FP8, ASM, F32)
+
+
+@triton.jit
+def _store_tile(s, e, n0, out_rows, bmax_rows, t_ok, n_max, n_bmax, BLOCK_N: tl.constexpr, BS: tl.constexpr):
+    """Scores (BLOCK_T, BLOCK_N) of entries e (and their block maxima when BS > 0)."""
+    BLOCK_T: tl.constexpr = s.shape[0]
+    tl.store(out_rows[:, None] + e[None, :], s, mask=t_ok[:, None] & (e < n_max)[None, :])
+    if BS > 0:
+        blk_max = tl.max(tl.reshape(s, (BLOCK_T, BLOCK_N // BS, BS)), axis=2)  # e ≥ n_max is −inf
+        blk = n0 // BS + tl.arange(0, BLOCK_N // BS)
+        tl.store(bmax_rows[:, None] + blk[None, :], blk_max, mask=t_ok[:, None] & (blk < n_bmax)[None, :])
+
+
+@triton.jit
+def _scores_tiles(q0, q1, q2, q3, w, key_ptr, pt_ptr, b, stride_pb, stride_pp, pid_n, n_max, n_bmax, lim, lim_max,
+                  out_rows, bmax_rows, t_ok, DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_N: tl.constexpr, TILES: tl.constexpr, PAGE_ROWS: tl.constexpr, BS: tl.constexpr,
+                  FP8: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
+                  ROW_WARPS: tl.constexpr):
+    """The tile loop on MMA-layout loads: all of a tile's bytes are requested at once and, with
+    PREFETCH, one tile ahead (the raw bytes of tile i + 1 are in flight while tile i is computed).
+    PREFETCH unrolls the loop (`tl.static_range`): loop-carried uint8 tensors would be split into one
+    register per byte and re-packed (+100 instructions per tile), straight-line code keeps the
+    loaded words as they are."""
+    ROW_BYTES: tl.constexpr = DI // 2 + DI // 32
+    m1 = tl.arange(0, BLOCK_N)
+    m5 = _rows5(BLOCK_N, ROW_WARPS)
+    nt0 = pid_n * TILES
+    if PREFETCH:
+        n0 = nt0.to(tl.int64) * BLOCK_N
+        off1, off5, ok1, ok5 = _row_offsets(pt_ptr, b, stride_pb, stride_pp, n0, lim_max, n0 + m1, n0 + m5,
+                                            PAGE_ROWS, BLOCK_N, ROW_BYTES)
+        p0, p1, p2, p3, sw = _tile_raw(key_ptr, off5, ok5, off1, ok1)
+        for i in tl.static_range(TILES):
+            n0 = (nt0 + i).to(tl.int64) * BLOCK_N
+            if i + 1 < TILES:  # the next tile's bytes (none after the program's last)
+                n1 = n0 + BLOCK_N
+                off1, off5, ok1, ok5 = _row_offsets(pt_ptr, b, stride_pb, stride_pp, n1, lim_max, n1 + m1, n1 + m5,
+                                                    PAGE_ROWS, BLOCK_N, ROW_BYTES)
+                r0, r1, r2, r3, rs = _tile_raw(key_ptr, off5, ok5, off1, ok1)
+            if n0 < n_max:
+                s = tl.full((BLOCK_T, BLOCK_N), float("-inf"), tl.float32)
+                if n0 < lim_max:  # a tile nobody sees is only written
+                    s = _tile_scores(p0, p1, p2, p3, sw, q0, q1, q2, q3, w, n0 + m1, lim, HP, FP8, ASM, F32)
+                _store_tile(s, n0 + m1, n0, out_rows, bmax_rows, t_ok, n_max, n_bmax, BLOCK_N, BS)
+            if i + 1 < TILES:
+                p0, p1, p2, p3, sw = r0, r1, r2, r3, rs
+    else:
+        for i in range(TILES):
+            n0 = (nt0 + i).to(tl.int64) * BLOCK_N
+            if n0 < n_max:
+                s = tl.full((BLOCK_T, BLOCK_N), float("-inf"), tl.float32)
+                if n0 < lim_max:  # a tile nobody sees is only written
+                    off1, off5, ok1, ok5 = _row_offsets(pt_ptr, b, stride_pb, stride_pp, n0, lim_max, n0 + m1,
+                                                        n0 + m5, PAGE_ROWS, BLOCK_N, ROW_BYTES)
+                    p0, p1, p2, p3, sw = _tile_raw(key_ptr, off5, ok5, off1, ok1)
+                    s = _tile_scores(p0, p1, p2, p3, sw, q0, q1, q2, q3, w, n0 + m1, lim, HP, FP8, ASM, F32)
+                _store_tile(s, n0 + m1, n0, out_rows, bmax_rows, t_ok, n_max, n_bmax, BLOCK_N, BS)
+
+
+@triton.jit
+def _tile_scores(p0, p1, p2, p3, sw, q0, q1, q2, q3, w, e, lim, HP: tl.constexpr, FP8: tl.constexpr,
+                 ASM: tl.constexpr, F32: tl.constexpr):
+    """(BLOCK_T, BLOCK_N) scores of a tile's raw bytes; −inf where e ≥ the query's limit."""
+    BLOCK_T: tl.constexpr = lim.shape[0]
+    acc = _tile_acc_mma(p0, p1, p2, p3, sw, q0, q1, q2, q3, FP8, ASM, F32)
+    return tl.where(e[None, :] < lim[:, None], _head_sum(acc, w, BLOCK_T, HP), float("-inf"))
+
+
+@triton.jit
+def _scores_tiles_v1(q0, q1, q2, q3, w, key_ptr, pt_ptr, b, stride_pb, stride_pp, pid_n, n_max, n_bmax, lim,
+                     lim_max, out_rows, bmax_rows, t_ok, DI: tl.constexpr, HP: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_N: tl.constexpr, TILES: tl.constexpr, PAGE_ROWS: tl.constexpr, BS: tl.constexpr,
+                     FP8: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+    """The first design (``layout="v1"``): per scale block, load → decode → layout conversion → dot."""
+    ROW_BYTES: tl.constexpr = DI // 2 + DI // 32
+    ROW_ALIGN: tl.constexpr = ROW_BYTES & -ROW_BYTES  # rows are only this aligned (68 B: 4, 34 B: 2)
     for i in range(TILES):
         n0 = (pid_n * TILES + i).to(tl.int64) * BLOCK_N
         if n0 < n_max:
@@ -263,12 +495,7 @@ def _scores_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, out_ptr, bmax_
                 row_off = tl.multiple_of((page * PAGE_ROWS + e % PAGE_ROWS) * ROW_BYTES, ROW_ALIGN)
                 acc = _tile_acc(key_ptr, row_off, ok, q0, q1, q2, q3, DI, FP8, ASM, F32)
                 s = tl.where(e[None, :] < lim[:, None], _head_sum(acc, w, BLOCK_T, HP), float("-inf"))
-            tl.store(out_rows[:, None] + e[None, :], s, mask=t_ok[:, None] & (e < n_max)[None, :])
-            if BS > 0:
-                blk_max = tl.max(tl.reshape(s, (BLOCK_T, BLOCK_N // BS, BS)), axis=2)  # e ≥ n_max is −inf
-                blk = n0 // BS + tl.arange(0, BLOCK_N // BS)
-                tl.store(bmax_ptr + b * stride_mb + tq[:, None] * stride_mt + blk[None, :], blk_max,
-                         mask=t_ok[:, None] & (blk < n_bmax)[None, :])
+            _store_tile(s, e, n0, out_rows, bmax_rows, t_ok, n_max, n_bmax, BLOCK_N, BS)
 
 
 @triton.jit
@@ -284,7 +511,7 @@ def _blocks_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, blk_ptr, out_p
     t = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     w, q0, q1, q2, q3 = _queries(q_ptr, w_ptr, b, t, T, stride_qb, stride_qt, stride_qh, stride_qd, stride_wb,
-                                 stride_wt, stride_wh, HI, DI, HP, 1, FP8, F32)
+                                 stride_wt, stride_wh, HI, DI, HP, 1, FP8, F32, False)
     lim = tl.minimum(tl.load(ve_ptr + b * stride_vb + t * stride_vt).to(tl.int64), tl.load(nk_ptr + b).to(tl.int64))
     for i in range(TILES):
         j0 = (pid_n * TILES + i).to(tl.int64) * BLOCK_N
@@ -295,7 +522,8 @@ def _blocks_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, blk_ptr, out_p
             e = block.to(tl.int64) * BS + j % BS
             ok = j_ok & (block >= 0) & (e < lim)
             page = tl.load(pt_ptr + b * stride_pb + (e // PAGE_ROWS) * stride_pp, mask=ok, other=0).to(tl.int64)
-            # gathered rows are only ROW_ALIGN-aligned (the analysis would assume more: misaligned loads)
+            # gathered rows are only ROW_ALIGN-aligned (the analysis would assume more: misaligned loads),
+            # so the word-layout tiles of `_scores_kernel` (page-aligned runs) do not apply here
             row_off = tl.multiple_of((page * PAGE_ROWS + e % PAGE_ROWS) * ROW_BYTES, ROW_ALIGN)
             acc = _tile_acc(key_ptr, row_off, ok, q0, q1, q2, q3, DI, FP8, ASM, F32)
             s = tl.where(ok[None, :], _head_sum(acc, w, 1, HP), float("-inf"))  # (1, BLOCK_N)
@@ -380,14 +608,28 @@ def _flags(mma: str, decode: str) -> dict:
     return dict(FP8=mma == "fp8", ASM=decode == "asm" and not interp, F32=interp)
 
 
+def _layout_flags(layout: str, prefetch: int, block_n: int, num_warps: int, Di: int) -> dict:
+    """``mma`` (Di = 128 only; other widths run ``v1``): tiles loaded as words straight into the
+    MMA operand layout (`_rows5`; ROW_WARPS: the warps that split a tile's rows), with ``prefetch``
+    one tile ahead; ``v1``: the first design (per scale block: load, decode, convert, dot)."""
+    _require(layout in LAYOUTS, f"layout must be one of {LAYOUTS}, got {layout!r}")
+    _require(prefetch in (0, 1), f"prefetch must be 0 or 1, got {prefetch!r}")
+    mma_layout = layout == "mma" and Di == 128
+    return dict(MMA_LAYOUT=mma_layout, PREFETCH=bool(prefetch) and mma_layout,
+                ROW_WARPS=max(1, min(num_warps, block_n // 16)))
+
+
 def indexer_scores(q: Tensor, weights: Tensor, key_pool: Tensor, page_table: Tensor, page_rows: int,
                    n_keys: Tensor, visible_end: Tensor, n_max: int, block_size: int = 0, *,
                    mma: str = DEFAULT_MMA, decode: str = "asm", block_n: int = 128, block_t: int | None = None,
-                   tiles: int = 4, num_warps: int = 4, num_stages: int = 2) -> tuple[Tensor, Tensor | None]:
+                   tiles: int = 4, num_warps: int = 4, num_stages: int = 2, layout: str = "mma",
+                   prefetch: int | None = None) -> tuple[Tensor, Tensor | None]:
     """See `dsv41.kernels.ops.indexer_scores`. Knobs: the MMA type (``fp8`` / ``bf16``), the nibble
     decode (``asm`` inline PTX / ``bits``), keys per tile (a divisor of page_rows keeps one page per
     tile), queries per program (None: 1 for decode, else up to 64 // heads), tiles per program, warps,
-    stages. A block_size that is not a power of two ≤ block_n gets its maxima from a torch reduction."""
+    stages, the tile design (``mma`` / ``v1``, see the module docstring) and the next-tile prefetch
+    (None: on for one query per program). A block_size that is not a power of two ≤ block_n gets its
+    maxima from a torch reduction."""
     pool, Hi = _check_scoring("indexer_scores", q, weights, key_pool, page_table, page_rows, n_keys, visible_end,
                               mma, decode, block_n, tiles)
     _require(n_max >= 0 and block_size >= 0, f"indexer_scores: n_max and block_size must be >= 0, got "
@@ -398,6 +640,8 @@ def indexer_scores(q: Tensor, weights: Tensor, key_pool: Tensor, page_table: Ten
         block_t = 1 if T == 1 else min(triton.next_power_of_2(T), max(1, 64 // hp))
     _require(_pow2(block_t), f"indexer_scores: block_t must be a power of two, got {block_t}")
     hp = max(hp, 16 // block_t)  # the dot's N = block_t · hp >= 16
+    if prefetch is None:  # one query per program: prefetch; more: the registers are taken (it would spill)
+        prefetch = int(block_t == 1)
     fused_max = block_size > 0 and _pow2(block_size) and block_size <= block_n
     n_bmax = -(-n_max // block_size) if block_size else 0
     scores = _empty((B, T, n_max), torch.float32, q.device)
@@ -410,7 +654,8 @@ def indexer_scores(q: Tensor, weights: Tensor, key_pool: Tensor, page_table: Ten
             *q.stride(), *weights.stride(), *page_table.stride(), *visible_end.stride(),
             scores.stride(0), scores.stride(1), bmax.stride(0), bmax.stride(1),
             HI=Hi, DI=Di, HP=hp, BLOCK_T=block_t, BLOCK_N=block_n, TILES=tiles, PAGE_ROWS=page_rows,
-            BS=block_size if fused_max else 0, **_flags(mma, decode), num_warps=num_warps, num_stages=num_stages)
+            BS=block_size if fused_max else 0, **_flags(mma, decode),
+            **_layout_flags(layout, prefetch, block_n, num_warps, Di), num_warps=num_warps, num_stages=num_stages)
     if not block_size:
         return scores, None
     return scores, bmax if fused_max else block_maxima(scores, block_size)
@@ -420,7 +665,8 @@ def indexer_scores_blocks(q: Tensor, weights: Tensor, key_pool: Tensor, page_tab
                           n_keys: Tensor, visible_end: Tensor, blocks: Tensor, block_size: int, *,
                           mma: str = DEFAULT_MMA, decode: str = "asm", block_n: int = 128, tiles: int = 4,
                           num_warps: int = 4, num_stages: int = 2) -> Tensor:
-    """See `dsv41.kernels.ops.indexer_scores_blocks`. Knobs as `indexer_scores` (one query per program)."""
+    """See `dsv41.kernels.ops.indexer_scores_blocks`. Knobs as `indexer_scores` (one query per program;
+    the ``v1`` tile design: gathered rows are only 4-byte aligned)."""
     pool, Hi = _check_scoring("indexer_scores_blocks", q, weights, key_pool, page_table, page_rows, n_keys,
                               visible_end, mma, decode, block_n, tiles)
     B, T, _, Di = q.shape
