@@ -49,6 +49,10 @@ GROUPS = {  # SASS opcode (before the first '.') → group reported
     "shuffle": ("SHFL",),
 }
 
+KERNELS: list[tuple[str, tuple, object]] = []  # (name, grid, compiled kernel) of every launch the case made
+# Values never matter for compiling, only shapes that reach constexprs: shrink what only sizes a pool.
+SMALLER = {"attention": {"PAGES_PER_SEQ": 4, "MIN_POOL_PAGES": 8}}
+
 
 def _compile_instead_of_run(self, *args, grid, warmup, **kwargs):
     """Stand-in for JITFunction.run: specialize the arguments as Triton does, compile for sm_90a."""
@@ -63,9 +67,6 @@ def _compile_instead_of_run(self, *args, grid, warmup, **kwargs):
     return compiled
 
 
-KERNELS: list[tuple[str, tuple, object]] = []
-# Values never matter for compiling, only shapes that reach constexprs: shrink what only sizes a pool.
-SMALLER = {"attention": {"PAGES_PER_SEQ": 4, "MIN_POOL_PAGES": 8}}
 
 
 def _ptxas(ptx: str, workdir: Path, name: str) -> dict:

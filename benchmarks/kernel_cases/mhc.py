@@ -53,7 +53,8 @@ def cases(device: torch.device) -> list[dict]:
         _post_case("mhc_post prefill", 1, 16384, 5120, device, True,
                    "bandwidth-bound if the 24-output projection (3 bf16 MMAs per fp32 product, ~10 FLOP/B) "
                    "overlaps the stream; fused design: hc_fn pre-split once into bf16 planes (L2), 256 programs "
-                   "of 64 tokens × 32 channels, 2 per SM, next chunk prefetched into registers"),
+                   "of 64 tokens × 32 channels, planes by cp.async (3 stages); the per-chunk chain (loads → "
+                   "update → stores → 3 dependent MMAs) is not hidden by 1–2 programs per SM"),
         _post_case("mhc_post prefill, last pass", 1, 16384, 5120, device, False,
                    "pure stream: residual update + collapse, no projection"),
         _post_case("mhc_post small preset", 4, 16384, 384, device, True,

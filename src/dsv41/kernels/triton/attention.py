@@ -205,31 +205,17 @@ def _attend_tile(acc, m_i, l_i, q, q_rows, h_ok, rows, visible, dv0, qk_scale,
 
 
 @triton.jit
-def _ring_step(acc, m_i, l_i, q, q_rows, h_ok, i, live, low, t_pos, qk_scale, ring_base, ring_pos_base, W,
-               stride_ring_w, dv0, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_PV: tl.constexpr, PRELOAD_PV: tl.constexpr,
-                DOT_DTYPE: tl.constexpr):
-    """Ring tile i of this query's slot (live = False: a padding iteration that changes nothing)."""
-    slot = i * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (slot < W) & live
-    p = tl.load(ring_pos_base + slot, mask=ok, other=-1)
+def _window_step(acc, m_i, l_i, q, q_rows, h_ok, k0, live, n, low, t_pos, qk_scale, pos_base, row_base, row_stride,
+                 dv0, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_PV: tl.constexpr, PRELOAD_PV: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Window keys k0 + [0, BLOCK_N) of a table of n FP8 rows (row_base + k · row_stride) whose positions
+    are pos_base[k]: the ring slot of this query's sequence, or the call's own chunk keys. live = False:
+    a padding iteration that changes nothing."""
+    k = k0 + tl.arange(0, BLOCK_N)
+    ok = (k < n) & live
+    p = tl.load(pos_base + k, mask=ok, other=-1)
     visible = ok & (p >= low) & (p <= t_pos)
-    rows = ring_base + slot.to(tl.int64) * stride_ring_w
-    return _attend_tile(acc, m_i, l_i, q, q_rows, h_ok, rows, visible, dv0, qk_scale,
-                        D, BLOCK_H, BLOCK_N, BLOCK_K, BLOCK_DV, BLOCK_PV, PRELOAD_PV, False, 0, DOT_DTYPE)
-
-
-@triton.jit
-def _chunk_step(acc, m_i, l_i, q, q_rows, h_ok, i, live, low, t_pos, qk_scale, s0, T, pos_base, chunk_base,
-                stride_chunk_t, dv0, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_PV: tl.constexpr, PRELOAD_PV: tl.constexpr,
-                DOT_DTYPE: tl.constexpr):
-    """Chunk tile i: the call's own keys s0 + i·BLOCK_N + [0, BLOCK_N), at positions q_pos[b, s]."""
-    s = s0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (s < T) & live
-    p = tl.load(pos_base + s, mask=ok, other=-1)
-    visible = ok & (p >= low) & (p <= t_pos)
-    rows = chunk_base + s.to(tl.int64) * stride_chunk_t
+    rows = row_base + k.to(tl.int64) * row_stride
     return _attend_tile(acc, m_i, l_i, q, q_rows, h_ok, rows, visible, dv0, qk_scale,
                         D, BLOCK_H, BLOCK_N, BLOCK_K, BLOCK_DV, BLOCK_PV, PRELOAD_PV, False, 0, DOT_DTYPE)
 
@@ -307,14 +293,16 @@ def _sparse_attention_kernel(
         end = tl.minimum(last, n_ring_tiles)
         if STATIC_TRIPS:
             for j in range(MAX_RING):
-                acc, m_i, l_i = _ring_step(acc, m_i, l_i, q, q_rows, h_ok, first + j, first + j < end, low, t_pos,
-                                           qk_scale, ring_base, rpos_base, W, stride_ring_w, dv0,
-                                           D, BLOCK_H, BLOCK_N, BLOCK_K, BLOCK_DV, BLOCK_PV, PRELOAD_PV, DOT_DTYPE)
+                acc, m_i, l_i = _window_step(
+                    acc, m_i, l_i, q, q_rows, h_ok, (first + j) * BLOCK_N, first + j < end, W, low, t_pos, qk_scale,
+                    rpos_base, ring_base, stride_ring_w, dv0,
+                    D, BLOCK_H, BLOCK_N, BLOCK_K, BLOCK_DV, BLOCK_PV, PRELOAD_PV, DOT_DTYPE)
         else:
             for i in range(first, end):
-                acc, m_i, l_i = _ring_step(acc, m_i, l_i, q, q_rows, h_ok, i, True, low, t_pos,
-                                           qk_scale, ring_base, rpos_base, W, stride_ring_w, dv0,
-                                           D, BLOCK_H, BLOCK_N, BLOCK_K, BLOCK_DV, BLOCK_PV, PRELOAD_PV, DOT_DTYPE)
+                acc, m_i, l_i = _window_step(
+                    acc, m_i, l_i, q, q_rows, h_ok, i * BLOCK_N, True, W, low, t_pos, qk_scale,
+                    rpos_base, ring_base, stride_ring_w, dv0,
+                    D, BLOCK_H, BLOCK_N, BLOCK_K, BLOCK_DV, BLOCK_PV, PRELOAD_PV, DOT_DTYPE)
     if HAS_CHUNK:
         s0 = 0
         if CHUNK_BAND:
@@ -324,14 +312,16 @@ def _sparse_attention_kernel(
         end = tl.minimum(last, n_ring_tiles + n_chunk_tiles)
         if STATIC_TRIPS:
             for j in range(MAX_CHUNK):
-                acc, m_i, l_i = _chunk_step(acc, m_i, l_i, q, q_rows, h_ok, start + j - n_ring_tiles, start + j < end,
-                                            low, t_pos, qk_scale, s0, T, pos_base, chunk_base, stride_chunk_t, dv0,
-                                            D, BLOCK_H, BLOCK_N, BLOCK_K, BLOCK_DV, BLOCK_PV, PRELOAD_PV, DOT_DTYPE)
+                acc, m_i, l_i = _window_step(
+                    acc, m_i, l_i, q, q_rows, h_ok, s0 + (start + j - n_ring_tiles) * BLOCK_N, start + j < end, T,
+                    low, t_pos, qk_scale, pos_base, chunk_base, stride_chunk_t, dv0,
+                    D, BLOCK_H, BLOCK_N, BLOCK_K, BLOCK_DV, BLOCK_PV, PRELOAD_PV, DOT_DTYPE)
         else:
             for i in range(start, end):
-                acc, m_i, l_i = _chunk_step(acc, m_i, l_i, q, q_rows, h_ok, i - n_ring_tiles, True,
-                                            low, t_pos, qk_scale, s0, T, pos_base, chunk_base, stride_chunk_t, dv0,
-                                            D, BLOCK_H, BLOCK_N, BLOCK_K, BLOCK_DV, BLOCK_PV, PRELOAD_PV, DOT_DTYPE)
+                acc, m_i, l_i = _window_step(
+                    acc, m_i, l_i, q, q_rows, h_ok, s0 + (i - n_ring_tiles) * BLOCK_N, True, T,
+                    low, t_pos, qk_scale, pos_base, chunk_base, stride_chunk_t, dv0,
+                    D, BLOCK_H, BLOCK_N, BLOCK_K, BLOCK_DV, BLOCK_PV, PRELOAD_PV, DOT_DTYPE)
     if HAS_ENTRIES:
         n_win = n_ring_tiles + n_chunk_tiles
         ids = topk_ptr + b.to(tl.int64) * stride_tk_b + t.to(tl.int64) * stride_tk_t

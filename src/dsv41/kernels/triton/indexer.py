@@ -173,6 +173,38 @@ def _queries(q_ptr, w_ptr, b, t0, T, stride_qb, stride_qt, stride_qh, stride_qd,
 
 
 @triton.jit
+def _e4m3_nibbles(packed, ASM: tl.constexpr):
+    """Packed E2M1 bytes → E4M3 bytes (code · 2^-6, exact) of the low nibbles and of the high nibbles:
+    inline PTX on the GPU (`_E4M3_PTX`), portable integer code otherwise."""
+    if ASM:
+        return tl.inline_asm_elementwise(_E4M3_PTX, "=r,=r,r", [packed], dtype=(tl.uint8, tl.uint8),
+                                         is_pure=True, pack=4)
+    else:
+        p = packed.to(tl.int32)
+        return (((p << 2) & 0x1C) | ((p << 4) & 0x80)).to(tl.uint8), (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def _bf16_nibbles(packed, scale, s16, ASM: tl.constexpr, F32: tl.constexpr):
+    """Packed E2M1 bytes (BLOCK_N, 16) times their row's E8M0 scale (BLOCK_N,) — fp32 `scale`, and the
+    same power of two in bf16 `s16` for the GPU path — → the values of the low nibbles and of the high
+    nibbles in bf16 (fp32 when F32), exact: byte-permute tables in inline PTX on the GPU
+    (`_BF16_PTX`), portable code otherwise."""
+    if ASM:
+        s16 = tl.broadcast_to(s16[:, None], packed.shape)
+        return tl.inline_asm_elementwise(_BF16_PTX, "=r,=r,=r,=r,r,r,r", [packed, s16],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        p = packed.to(tl.int32)
+        lo = fp4_to_f32(p) * scale[:, None]
+        hi = fp4_to_f32(p >> 4) * scale[:, None]
+        if not F32:
+            lo = lo.to(tl.bfloat16)
+            hi = hi.to(tl.bfloat16)
+        return lo, hi
+
+
+@triton.jit
 def _key_block(key_ptr, row_off, ok, BLK: tl.constexpr, DI: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
                F32: tl.constexpr):
     """Channels [32·BLK, 32·BLK + 32) of the keys at byte offsets row_off (BLOCK_N,) as the dot's A
@@ -184,28 +216,14 @@ def _key_block(key_ptr, row_off, ok, BLK: tl.constexpr, DI: tl.constexpr, FP8: t
     sbyte = tl.load(key_ptr + row_off + (DI // 2 + BLK), mask=ok, other=127)
     scale = e8m0_to_f32(sbyte)
     if FP8:
-        if ASM:
-            lo, hi = tl.inline_asm_elementwise(_E4M3_PTX, "=r,=r,r", [packed], dtype=(tl.uint8, tl.uint8),
-                                               is_pure=True, pack=4)
-        else:
-            p = packed.to(tl.int32)
-            lo = (((p << 2) & 0x1C) | ((p << 4) & 0x80)).to(tl.uint8)
-            hi = (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.uint8)
+        lo, hi = _e4m3_nibbles(packed, ASM)
         k = tl.reshape(tl.join(lo, hi), (BLOCK_N, 32)).to(tl.float8e4nv, bitcast=True)  # element 2i = low
         if F32:
             k = k.to(tl.float32)
     else:
-        if ASM:
-            s16 = (sbyte.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(byte − 127) in bf16
-            s16 = tl.broadcast_to(s16[:, None], (BLOCK_N, 16))
-            lo, hi = tl.inline_asm_elementwise(_BF16_PTX, "=r,=r,=r,=r,r,r,r", [packed, s16],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-            k = tl.reshape(tl.join(lo, hi), (BLOCK_N, 32))
-        else:
-            p = packed.to(tl.int32)
-            k = tl.reshape(tl.join(fp4_to_f32(p), fp4_to_f32(p >> 4)), (BLOCK_N, 32)) * scale[:, None]
-            if not F32:
-                k = k.to(tl.bfloat16)
+        s16 = (sbyte.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # 2^(byte − 127) in bf16
+        lo, hi = _bf16_nibbles(packed, scale, s16, ASM, F32)
+        k = tl.reshape(tl.join(lo, hi), (BLOCK_N, 32))
     return k, scale
 
 
@@ -300,28 +318,12 @@ def _key_block_mma(p5, scale, FP8: tl.constexpr, ASM: tl.constexpr, F32: tl.cons
     x = _unfold5(p5)
     BLOCK_N: tl.constexpr = x.shape[0]
     if FP8:
-        if ASM:
-            lo, hi = tl.inline_asm_elementwise(_E4M3_PTX, "=r,=r,r", [x], dtype=(tl.uint8, tl.uint8),
-                                               is_pure=True, pack=4)
-        else:
-            p = x.to(tl.int32)
-            lo = (((p << 2) & 0x1C) | ((p << 4) & 0x80)).to(tl.uint8)
-            hi = (((p >> 2) & 0x1C) | (p & 0x80)).to(tl.uint8)
+        lo, hi = _e4m3_nibbles(x, ASM)
         k = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 32)).to(tl.float8e4nv, bitcast=True)
         if F32:
             k = k.to(tl.float32)
     else:
-        if ASM:
-            s16 = tl.broadcast_to(scale.to(tl.bfloat16)[:, None], (BLOCK_N, 16))  # exact: a power of two
-            lo, hi = tl.inline_asm_elementwise(_BF16_PTX, "=r,=r,=r,=r,r,r,r", [x, s16],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        else:
-            p = x.to(tl.int32)
-            lo = fp4_to_f32(p) * scale[:, None]
-            hi = fp4_to_f32(p >> 4) * scale[:, None]
-            if not F32:
-                lo = lo.to(tl.bfloat16)
-                hi = hi.to(tl.bfloat16)
+        lo, hi = _bf16_nibbles(x, scale, scale.to(tl.bfloat16), ASM, F32)  # exact: a power of two
         k = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 32))
     return k
 

@@ -130,19 +130,43 @@ def _coef(ptr, rows64, row_ok, STRIDE: tl.constexpr, idx: tl.constexpr):
 
 @triton.jit
 def _coefs(post_ptr, comb_ptr, pre_ptr, rows64, row_ok):
-    """The 24 per-token coefficients, loaded once: post (M, 4), comb (M, 4, 4) [i, j], pre (M, 4)."""
-    return (_coef(post_ptr, rows64, row_ok, 4, 0), _coef(post_ptr, rows64, row_ok, 4, 1),
-            _coef(post_ptr, rows64, row_ok, 4, 2), _coef(post_ptr, rows64, row_ok, 4, 3),
-            _coef(comb_ptr, rows64, row_ok, 16, 0), _coef(comb_ptr, rows64, row_ok, 16, 1),
-            _coef(comb_ptr, rows64, row_ok, 16, 2), _coef(comb_ptr, rows64, row_ok, 16, 3),
-            _coef(comb_ptr, rows64, row_ok, 16, 4), _coef(comb_ptr, rows64, row_ok, 16, 5),
-            _coef(comb_ptr, rows64, row_ok, 16, 6), _coef(comb_ptr, rows64, row_ok, 16, 7),
-            _coef(comb_ptr, rows64, row_ok, 16, 8), _coef(comb_ptr, rows64, row_ok, 16, 9),
-            _coef(comb_ptr, rows64, row_ok, 16, 10), _coef(comb_ptr, rows64, row_ok, 16, 11),
-            _coef(comb_ptr, rows64, row_ok, 16, 12), _coef(comb_ptr, rows64, row_ok, 16, 13),
-            _coef(comb_ptr, rows64, row_ok, 16, 14), _coef(comb_ptr, rows64, row_ok, 16, 15),
-            _coef(pre_ptr, rows64, row_ok, 4, 0), _coef(pre_ptr, rows64, row_ok, 4, 1),
-            _coef(pre_ptr, rows64, row_ok, 4, 2), _coef(pre_ptr, rows64, row_ok, 4, 3))
+    """The 24 per-token coefficients as (BLOCK_T, 1) columns, loaded once: cf[j] = post_j,
+    cf[4 + 4·i + j] = comb_ij, cf[20 + j] = pre_j (post (M, 4), comb (M, 4, 4) [i, j], pre (M, 4))."""
+    cf = ()
+    for j in tl.static_range(4):
+        cf = cf + (_coef(post_ptr, rows64, row_ok, 4, j),)
+    for ij in tl.static_range(16):
+        cf = cf + (_coef(comb_ptr, rows64, row_ok, 16, ij),)
+    for j in tl.static_range(4):
+        cf = cf + (_coef(pre_ptr, rows64, row_ok, 4, j),)
+    return cf
+
+
+@triton.jit
+def _residual(cf, f, h0, h1, h2, h3, j: tl.constexpr):
+    """Stream j of the residual update in fp32 (hc_post): post_j·f + Σ_i comb_ij·h_i."""
+    return cf[j] * f + (cf[4 + j] * h0 + cf[8 + j] * h1 + cf[12 + j] * h2 + cf[16 + j] * h3)
+
+
+@triton.jit
+def _collapse(cf, n0, n1, n2, n3):
+    """The next sublayer's input in fp32 (hc_pre) from the rounded streams: Σ_j pre_j·h_new_j."""
+    return cf[20] * n0 + cf[21] * n1 + cf[22] * n2 + cf[23] * n3
+
+
+@triton.jit
+def _store_mixes(acc, sq, mix_ptr, part_ptr, sq_ptr, rows64, row_ok, kk, pid_s, M, D, norm_eps,
+                 FINAL: tl.constexpr, K_OUT: tl.constexpr, KP: tl.constexpr):
+    """The projection's epilogue: mixes = acc · rsqrt(mean(h_new²) + eps), or (d split) this span's
+    partial acc and Σ h_new² for `_mhc_finish_kernel`."""
+    if FINAL:
+        r = tl.math.rsqrt(sq / (4 * D) + norm_eps)
+        mask = row_ok[:, None] & (kk[None, :] < K_OUT)
+        tl.store(mix_ptr + rows64[:, None] * K_OUT + kk[None, :], acc * r[:, None], mask=mask)
+    else:
+        slot = pid_s * M + rows64
+        tl.store(part_ptr + slot[:, None] * KP + kk[None, :], acc, mask=row_ok[:, None])
+        tl.store(sq_ptr + slot, sq, mask=row_ok)
 
 
 @triton.jit
@@ -165,9 +189,8 @@ def _mhc_pass_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, hnew_ptr
     rows64 = rows.to(tl.int64)
     kk = tl.arange(0, KP)
 
-    if POST:  # the 24 per-token coefficients, loaded once: post (M, 4), comb (M, 4, 4) [i, j], pre (M, 4)
-        (p0, p1, p2, p3, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
-         q0, q1, q2, q3) = _coefs(post_ptr, comb_ptr, pre_ptr, rows64, row_ok)
+    if POST:
+        cf = _coefs(post_ptr, comb_ptr, pre_ptr, rows64, row_ok)
 
     acc = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
     sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -184,17 +207,17 @@ def _mhc_pass_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, hnew_ptr
         if POST:
             f = tl.load(f_ptr + rows64[:, None] * s_ft + col[None, :], mask=ok, other=0.0).to(tl.float32)
             # residual update in fp32, one rounding to the output dtype (hc_post)
-            n0 = _to_out(p0 * f + (c00 * h0 + c10 * h1 + c20 * h2 + c30 * h3), OUT_BF16, EXACT_CAST)
-            n1 = _to_out(p1 * f + (c01 * h0 + c11 * h1 + c21 * h2 + c31 * h3), OUT_BF16, EXACT_CAST)
-            n2 = _to_out(p2 * f + (c02 * h0 + c12 * h1 + c22 * h2 + c32 * h3), OUT_BF16, EXACT_CAST)
-            n3 = _to_out(p3 * f + (c03 * h0 + c13 * h1 + c23 * h2 + c33 * h3), OUT_BF16, EXACT_CAST)
+            n0 = _to_out(_residual(cf, f, h0, h1, h2, h3, 0), OUT_BF16, EXACT_CAST)
+            n1 = _to_out(_residual(cf, f, h0, h1, h2, h3, 1), OUT_BF16, EXACT_CAST)
+            n2 = _to_out(_residual(cf, f, h0, h1, h2, h3, 2), OUT_BF16, EXACT_CAST)
+            n3 = _to_out(_residual(cf, f, h0, h1, h2, h3, 3), OUT_BF16, EXACT_CAST)
             hn = hnew_ptr + out_row + col[None, :]
             tl.store(hn, n0.to(hnew_ptr.dtype.element_ty), mask=ok)
             tl.store(hn + D, n1.to(hnew_ptr.dtype.element_ty), mask=ok)
             tl.store(hn + 2 * D, n2.to(hnew_ptr.dtype.element_ty), mask=ok)
             tl.store(hn + 3 * D, n3.to(hnew_ptr.dtype.element_ty), mask=ok)
             # the next sublayer's input from the rounded streams (hc_pre)
-            x = _to_out(q0 * n0 + q1 * n1 + q2 * n2 + q3 * n3, OUT_BF16, EXACT_CAST)
+            x = _to_out(_collapse(cf, n0, n1, n2, n3), OUT_BF16, EXACT_CAST)
             tl.store(x_ptr + rows64[:, None] * D + col[None, :], x.to(x_ptr.dtype.element_ty), mask=ok)
         else:
             n0, n1, n2, n3 = h0, h1, h2, h3
@@ -206,14 +229,7 @@ def _mhc_pass_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, hnew_ptr
             acc = _project(acc, n3, _fn_tile(fn_ptr, s_fnk, 3 * D + col, col_ok, kk, K_OUT), PRECISION, A_BF16, DOT)
 
     if HAS_FN:
-        if FINAL:
-            r = tl.math.rsqrt(sq / (4 * D) + norm_eps)
-            mask = row_ok[:, None] & (kk[None, :] < K_OUT)
-            tl.store(mix_ptr + rows64[:, None] * K_OUT + kk[None, :], acc * r[:, None], mask=mask)
-        else:  # partial sums of this d span; `_mhc_finish_kernel` adds the spans
-            slot = pid_s * M + rows64
-            tl.store(part_ptr + slot[:, None] * KP + kk[None, :], acc, mask=row_ok[:, None])
-            tl.store(sq_ptr + slot, sq, mask=row_ok)
+        _store_mixes(acc, sq, mix_ptr, part_ptr, sq_ptr, rows64, row_ok, kk, pid_s, M, D, norm_eps, FINAL, K_OUT, KP)
 
 
 @triton.jit
@@ -316,8 +332,7 @@ def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr
     cc = tl.arange(0, BLOCK_D)
 
     if POST:
-        (p0, p1, p2, p3, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
-         q0, q1, q2, q3) = _coefs(post_ptr, comb_ptr, pre_ptr, rows64, row_ok)
+        cf = _coefs(post_ptr, comb_ptr, pre_ptr, rows64, row_ok)
 
     acc = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
     sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -345,16 +360,16 @@ def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr
         if POST:
             ff = f.to(tl.float32)
             o_ty = hnew_ptr.dtype.element_ty
-            o0, n0 = _rounded(p0 * ff + (c00 * g0 + c10 * g1 + c20 * g2 + c30 * g3), o_ty, OUT_BF16, EXACT_CAST)
-            o1, n1 = _rounded(p1 * ff + (c01 * g0 + c11 * g1 + c21 * g2 + c31 * g3), o_ty, OUT_BF16, EXACT_CAST)
-            o2, n2 = _rounded(p2 * ff + (c02 * g0 + c12 * g1 + c22 * g2 + c32 * g3), o_ty, OUT_BF16, EXACT_CAST)
-            o3, n3 = _rounded(p3 * ff + (c03 * g0 + c13 * g1 + c23 * g2 + c33 * g3), o_ty, OUT_BF16, EXACT_CAST)
+            o0, n0 = _rounded(_residual(cf, ff, g0, g1, g2, g3, 0), o_ty, OUT_BF16, EXACT_CAST)
+            o1, n1 = _rounded(_residual(cf, ff, g0, g1, g2, g3, 1), o_ty, OUT_BF16, EXACT_CAST)
+            o2, n2 = _rounded(_residual(cf, ff, g0, g1, g2, g3, 2), o_ty, OUT_BF16, EXACT_CAST)
+            o3, n3 = _rounded(_residual(cf, ff, g0, g1, g2, g3, 3), o_ty, OUT_BF16, EXACT_CAST)
             hn = hnew_ptr + out_row + col[None, :]
             tl.store(hn, o0, mask=ok)
             tl.store(hn + D, o1, mask=ok)
             tl.store(hn + 2 * D, o2, mask=ok)
             tl.store(hn + 3 * D, o3, mask=ok)
-            x = _to_out(q0 * n0 + q1 * n1 + q2 * n2 + q3 * n3, OUT_BF16, EXACT_CAST)
+            x = _to_out(_collapse(cf, n0, n1, n2, n3), OUT_BF16, EXACT_CAST)
             tl.store(x_ptr + x_row + col[None, :], x.to(x_ptr.dtype.element_ty), mask=ok)
         else:
             n0, n1, n2, n3 = g0, g1, g2, g3
@@ -379,14 +394,7 @@ def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr
             h0, h1, h2, h3, f = u0, u1, u2, u3, uf
 
     if HAS_FN:
-        if FINAL:
-            r = tl.math.rsqrt(sq / (4 * D) + norm_eps)
-            mask = row_ok[:, None] & (kk[None, :] < K_OUT)
-            tl.store(mix_ptr + rows64[:, None] * K_OUT + kk[None, :], acc * r[:, None], mask=mask)
-        else:  # partial sums of this d span; `_mhc_finish_kernel` adds the spans
-            slot = pid_s * M + rows64
-            tl.store(part_ptr + slot[:, None] * KP + kk[None, :], acc, mask=row_ok[:, None])
-            tl.store(sq_ptr + slot, sq, mask=row_ok)
+        _store_mixes(acc, sq, mix_ptr, part_ptr, sq_ptr, rows64, row_ok, kk, pid_s, M, D, norm_eps, FINAL, K_OUT, KP)
 
 
 @triton.jit
