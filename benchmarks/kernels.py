@@ -15,7 +15,7 @@ the speed-up over the twin.
 Engine section (`--engine-contexts`): decode tokens/s of the `small` model (random weights, bf16) at
 each context length, with the kernels (`auto`) and with the torch twins (`torch`), same caches —
 one sequence, and a batch of `--engine-batch` sequences sharing the context length.
-Writes benchmarks/results/kernels-<date>.json.
+Writes benchmarks/results/kernels-<date>.json (kernels-<date>-2.json, … for later runs of the day).
 """
 
 from __future__ import annotations
@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"kernels-{dt.date.today().isoformat()}.json"
+    n = 1
+    while path.exists():  # a second run on the same day keeps the first one's file
+        n += 1
+        path = out / f"kernels-{dt.date.today().isoformat()}-{n}.json"
     path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                     triton=importlib.import_module("triton").__version__, ceilings=ceil,
                                     cases=rows, failures=failures, engine_decode=engine), indent=1))

@@ -52,11 +52,12 @@ def cases(device: torch.device) -> list[dict]:
     out = [
         _post_case("mhc_post prefill", 1, 16384, 5120, device, True,
                    "bandwidth-bound if the 24-output projection (3 bf16 MMAs per fp32 product, ~10 FLOP/B) "
-                   "overlaps the stream; fused design: hc_fn pre-split once into bf16 planes (L2), 256 programs "
-                   "of 64 tokens × 32 channels, planes by cp.async (3 stages); the per-chunk chain (loads → "
-                   "update → stores → 3 dependent MMAs) is not hidden by 1–2 programs per SM"),
+                   "overlaps the stream; fused design: hc_fn pre-split once into bf16 planes (L2), 128 programs "
+                   "of 128 tokens × 32 channels (8 warps, one per SM), h / f tiles by TMA and the planes by "
+                   "cp.async, 2 chunks in flight (3 stages); the projection costs ~nothing beside the stream"),
         _post_case("mhc_post prefill, last pass", 1, 16384, 5120, device, False,
-                   "pure stream: residual update + collapse, no projection"),
+                   "pure stream: residual update + collapse, no projection (legacy kernel: 64 × 64 tiles, "
+                   "plain loads; faster here than the fused one with TMA)"),
         _post_case("mhc_post small preset", 4, 16384, 384, device, True,
                    "d = 384: 6 chunks per token tile, coefficient loads and the hc_fn split weigh more"),
         _post_case("mhc_post decode batch", 128, 1, 5120, device, True,
@@ -72,7 +73,8 @@ def cases(device: torch.device) -> list[dict]:
         work=M * (N * d * 2 + K * 4) + K * N * d * 4, ceiling="copy",
         triton=torch.no_grad()(lambda: fused.mhc_mixes(h, fn, 1e-6)),
         torch=torch.no_grad()(lambda: twin.mhc_mixes(h, fn, 1e-6)),
-        note="read-only stream of h; the projection is the same MMA work per byte ×2 as in mhc_post",
+        note="read-only stream of h (TMA, as mhc_post); the projection is the same MMA work per byte ×2 "
+             "as in mhc_post",
         sweep=lambda **knobs: fused.mhc_mixes(h, fn, 1e-6, **knobs)))
 
     g = torch.Generator(device=device).manual_seed(8)

@@ -199,10 +199,12 @@ def test_mhc_mixes_matches_twin(poisoned, monkeypatch, dtype, knobs):
 
 
 FUSED_CASES = [  # (dtype, B, T, d, knobs) for the pre-split-planes kernel (design="fused")
-    (torch.bfloat16, 1, 19, 48, dict(block_t=16, block_d=16)),  # ragged token tile, register prefetch, K = 64
-    (torch.bfloat16, 1, 23, 48, dict(block_t=16, block_d=32, split=2, prefetch=False, fn_cols=32)),  # ragged d
-    (torch.bfloat16, 1, 9, 40, dict(block_t=16, block_d=16, cat=False)),  # one dot group per stream
+    (torch.bfloat16, 1, 19, 48, dict(block_t=16, block_d=16, tma=False, prefetch=True)),  # ragged tile, register prefetch
+    (torch.bfloat16, 1, 23, 48, dict(block_t=16, block_d=32, split=2, fn_cols=32)),  # ragged d (TMA zero fill)
+    (torch.bfloat16, 1, 9, 40, dict(block_t=16, block_d=16, cat=False, tma=False)),  # one dot group per stream
     (torch.float32, 3, 5, 48, dict(block_t=16, block_d=16, split=3)),  # fp32 A: 6 MMAs, d spans + finish
+    (torch.bfloat16, 2, 150, 80, dict(tma=True)),  # TMA defaults (128-token tiles, 8 warps), ragged rows and d
+    (torch.bfloat16, 1, 40, 44, dict(block_t=16)),  # 88-byte rows: no TMA (not 16-byte aligned), plain loads
 ]
 
 
@@ -262,6 +264,11 @@ def test_design_knobs_are_checked():
         triton_mhc.mhc_post(h, f, post, comb, pre, fn, EPS, design="fused", precision="ieee")
     with pytest.raises(ValueError, match="fn_cols"):
         triton_mhc.mhc_mixes(h, fn, EPS, design="fused", fn_cols=16)
+    with pytest.raises(ValueError, match="tma=True needs design"):
+        triton_mhc.mhc_post(h, f, post, comb, pre, fn, EPS, design="legacy", tma=True)
+    h, f, post, comb, pre, fn = streams(1, 3, 44, torch.bfloat16, seed=92)  # 88-byte rows
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        triton_mhc.mhc_post(h, f, post, comb, pre, fn, EPS, design="fused", tma=True)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the ±1e4 logits, in the interpreter
@@ -442,8 +449,9 @@ def test_gpu_mhc_post_v41_flash(B, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("design,knobs", [("fused", {}), ("fused", dict(prefetch=False, cat=False, fn_cols=32)),
-                                          ("fused", dict(block_t=128, num_warps=8, num_stages=1)), ("legacy", {})])
+@pytest.mark.parametrize("design,knobs", [("fused", {}), ("fused", dict(tma=False, cat=False, fn_cols=32)),
+                                          ("fused", dict(tma=False, block_t=128, num_warps=8, num_stages=1)),
+                                          ("fused", dict(block_t=64, num_warps=4, num_stages=2)), ("legacy", {})])
 @pytest.mark.parametrize("with_fn", [True, False])
 def test_gpu_mhc_post_designs(design, knobs, with_fn):
     from dsv41.kernels.triton import mhc as triton_mhc

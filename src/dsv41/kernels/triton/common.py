@@ -29,6 +29,16 @@ def dot_dtype() -> tl.dtype:
     return tl.float32 if interpreting() else tl.bfloat16
 
 
+CAPABILITY_OVERRIDE: tuple[int, int] | None = None  # set by benchmarks/sass.py, which compiles for sm_90a on the CPU
+
+
+def capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """Compute capability the kernels are built for on t's device: the override, the CUDA device's, or None."""
+    if CAPABILITY_OVERRIDE is not None:
+        return CAPABILITY_OVERRIDE
+    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+
+
 def runnable(t: torch.Tensor) -> bool:
     """Can a Triton kernel run on this tensor's device (CUDA, or any device in the interpreter)?"""
     return t.is_cuda or interpreting()

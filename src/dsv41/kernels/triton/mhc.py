@@ -19,11 +19,16 @@ Two pass kernels (launcher knob `design`):
     mid, lo, row 4·c + i = column i·d + c — so the chunk loop does no splitting math: the 4 rounded
     bf16 h_new tiles are joined into one (BLOCK_T, 4·BLOCK_D) A operand (`_cat4`) against the chunk's
     contiguous (4·BLOCK_D, 24 → 32) plane tiles: 3 dots (register A, B by cp.async when num_stages
-    ≥ 2, the last wgmma left in flight into the next chunk). `prefetch` loads the next chunk's 5 h/f
-    tiles into registers before this chunk's math. Defaults (the fastest of the H200 sweep,
-    2026-11-30): BLOCK_T 64, BLOCK_D 32, 4 warps, 3 stages, no register prefetch — 0.74 ms at 16K
-    tokens × d = 5120 (53 % of copy), against 0.95 ms with the prefetch, 0.79 ms at 128 tokens × 8
-    warps, 0.83 ms at BLOCK_D 16 and 1.98 ms for ``legacy``.
+    ≥ 2, the last wgmma left in flight into the next chunk). `tma` (default where `_tma_ready`: sm_90+
+    or the interpreter, 16-byte aligned rows) loads the 5 h/f tiles through tensor descriptors, so
+    Triton's pipeliner keeps num_stages − 1 chunks of them in flight in shared memory (the copy
+    engine, no address math in the loop; rows ≥ M and columns ≥ D arrive as zeros); without it they
+    are plain register loads, and `prefetch` can load the next chunk's tiles into registers before
+    this chunk's math. Defaults (the fastest of the H200 sweeps, 2026-11-30): with TMA BLOCK_T 128,
+    BLOCK_D 32, 8 warps, 3 stages — 0.595 ms at 16K tokens × d = 5120 (66 % of copy), against 0.70
+    with 2 stages, 0.65 at 64 tokens × 4 warps × 2 stages, 0.88 at BLOCK_D 64 and 0.80 with TMA
+    stores of h_new / x as well (not kept); without TMA BLOCK_T 64, BLOCK_D 32, 4 warps, 3 stages —
+    0.74 ms (53 %), 0.95 with the register prefetch; ``legacy`` 1.98 ms.
   * ``legacy`` (`_mhc_pass_kernel`, decode, the pass without hc_fn — 0.59 ms there against 0.73 ms
     fused — and the ``tf32x3`` / ``ieee`` precisions): hc_fn fp32 tiles read from L2 per stream and
     split in registers, 4 × 3 small dots per chunk, serialized with the loads (20 % of copy with
@@ -46,11 +51,14 @@ costs 3 × 2·32·4·d = 3.9 MFLOP per token (64 GFLOP, ~0.1 ms of m64n32k16 wgm
 stream. The fused loop issues ~1,060 instructions per thread per 64 × 32 chunk (half of them the
 update's FMAs; ~66 per token·channel, ~40 % of the issue slots at the copy rate). The plane tiles are
 re-read from L2 by every token tile (256 × 2.9 MB = 0.75 GB of L2 traffic beside the 1.68 GB
-stream). Measured, it reaches 53 % of copy: the serial chain per chunk (loads → update → store →
-3 dependent wgmma) is not hidden by the one or two resident programs per SM, and even the pass
-without the projection stops at 67 %. Closing the gap needs more bytes in flight per SM than
-Triton's register prefetch gives here (it costs registers and measured slower) — e.g. TMA loads of
-the h/f tiles several stages deep, or warp-specialized loader warps.
+stream). Measured with TMA loads 2 chunks deep it reaches 66 % of copy — the projection now costs
+almost nothing: the pass without it stops at the same 67 % (legacy kernel, 0.587 ms; the fused kernel
+without hc_fn is slower there, 0.80–0.85 ms, so `design=None` keeps legacy for it). The main loop
+issues ~1,100 instructions per thread per 128 × 32 chunk (8 warps: ~2,200 issue cycles per SM for
+80 KB moved, under half the issue rate the copy speed needs), so neither issue nor bytes in flight
+(2 × 40 KB per SM) is obviously the limit; 32-channel (64-byte) row pieces and one resident program
+per SM (188 KB of shared memory) are the suspects. Wider pieces need more shared memory than an SM
+has (BLOCK_D 64 at 128 tokens: 377 KB) unless the hc_fn planes stop being staged per chunk.
 
 Interpreter note: TRITON_INTERPRET's fp32 → bf16 cast truncates, so there (EXACT_CAST) the rounding
 of h_new and x to bf16 is done with integer bit arithmetic (round to nearest even, exact); the GPU
@@ -66,7 +74,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv41.kernels.triton.common import dot_dtype, interpreting, runnable
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from dsv41.kernels.triton.common import capability, dot_dtype, interpreting, runnable
 
 HC_MULT = 4  # the pass kernel is written for n = 4 streams (every preset)
 PRECISIONS = ("split", "tf32x3", "ieee")
@@ -313,13 +323,27 @@ def _load5(h_row, f_row, s_hn, col, ok, POST: tl.constexpr):
 
 
 @triton.jit
+def _load5_tma(h_desc, f_desc, t0, c0, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, POST: tl.constexpr):
+    """`_load5` through tensor descriptors (TMA): h (M, 4, D) in (BLOCK_T, 1, BLOCK_D) boxes, f (M, D) in
+    (BLOCK_T, BLOCK_D) boxes; rows ≥ M and columns ≥ D arrive as zeros."""
+    h0 = tl.reshape(h_desc.load([t0, 0, c0]), (BLOCK_T, BLOCK_D))
+    h1 = tl.reshape(h_desc.load([t0, 1, c0]), (BLOCK_T, BLOCK_D))
+    h2 = tl.reshape(h_desc.load([t0, 2, c0]), (BLOCK_T, BLOCK_D))
+    h3 = tl.reshape(h_desc.load([t0, 3, c0]), (BLOCK_T, BLOCK_D))
+    if POST:
+        f = f_desc.load([t0, c0])
+    else:
+        f = h0
+    return h0, h1, h2, h3, f
+
+
+@triton.jit
 def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr, x_ptr, mix_ptr, part_ptr, sq_ptr,
-                      M, D, norm_eps, s_ht, s_hn, s_ft, s_wp, N_IT: tl.constexpr,
+                      h_desc, f_desc, M, D, norm_eps, s_ht, s_hn, s_ft, s_wp, N_IT: tl.constexpr,
                       POST: tl.constexpr, HAS_FN: tl.constexpr, FINAL: tl.constexpr, OUT_BF16: tl.constexpr,
                       A_BF16: tl.constexpr, EXACT_CAST: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
-                      CAT: tl.constexpr, K_OUT: tl.constexpr, KP: tl.constexpr, KW: tl.constexpr,
-                      BLOCK_T: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+                      CAT: tl.constexpr, TMA: tl.constexpr, K_OUT: tl.constexpr, KP: tl.constexpr,
+                      KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """The pass with pre-split hc_fn planes (`_mhc_fn_split_kernel`): per chunk the 4 rounded h_new
     tiles are one (BLOCK_T, 4·BLOCK_D) A operand (CAT) against the chunk's (4·BLOCK_D, KW → KP) bf16 planes —
     3 dots, no splitting math — and the next chunk's 5 tiles are loaded before this chunk's math (PREFETCH)."""
@@ -351,6 +375,8 @@ def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr
             ncol = col + BLOCK_D
             nok = row_ok[:, None] & ((ncol < D) & (it + 1 < N_IT))[None, :]
             u0, u1, u2, u3, uf = _load5(h_row, f_row, s_hn, ncol, nok, POST)
+        elif TMA:
+            h0, h1, h2, h3, f = _load5_tma(h_desc, f_desc, pid_t * BLOCK_T, col0 + it * BLOCK_D, BLOCK_T, BLOCK_D, POST)
         else:
             h0, h1, h2, h3, f = _load5(h_row, f_row, s_hn, col, ok, POST)
         g0 = h0.to(tl.float32)
@@ -511,8 +537,9 @@ def _plan(M: int, d: int, device: torch.device, block_t: int, block_d: int, spli
 
 
 DESIGNS = ("fused", "legacy")
-# per design: BLOCK_T, BLOCK_D, num_warps, num_stages when the caller leaves them None
-DEFAULTS = {"fused": (64, 32, 4, 3), "legacy": (64, 64, 8, 1)}  # (block_t, block_d, warps, stages)
+# BLOCK_T, BLOCK_D, num_warps, num_stages when the caller leaves them None: per design, and for the fused
+# design with TMA loads (the fastest of the H200 sweeps, 2026-11-30 — see the module docstring)
+DEFAULTS = {"fused_tma": (128, 32, 8, 3), "fused": (64, 32, 4, 3), "legacy": (64, 64, 8, 1)}
 FUSED_MIN_TOKENS = 256  # below this (decode) `design=None` keeps the legacy kernel: no extra split launch
 
 
@@ -526,10 +553,27 @@ def _split_fn(hc_fn: Tensor, d: int, d_pad: int, cols: int) -> Tensor:
     return w
 
 
+TMA_DEFAULT = True  # `tma=None`: the fused pass loads h / f through tensor descriptors where `_tma_ready`
+
+
+def _tma_ready(*ts: Tensor) -> bool:
+    """Can these row-major tiles go through TMA: Hopper or newer (or the interpreter), 16-byte aligned bases
+    and row strides (the last dim contiguous)?"""
+    cap = capability(ts[0])
+    if not interpreting() and (cap is None or cap[0] < 9):
+        return False
+    for t in ts:
+        e = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * e) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
 def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor | None, pre: Tensor | None,
                  hc_fn: Tensor | None, norm_eps: float, block_t: int | None, block_d: int | None, split: int | None,
                  precision: str | None, num_warps: int | None, num_stages: int | None, design: str | None,
-                 prefetch: bool, cat: bool, fn_cols: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+                 prefetch: bool, cat: bool, fn_cols: int, tma: bool | None = None
+                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     B, T, n, d = h.shape
     M, K = B * T, (2 + n) * n
     dev = h.device
@@ -563,7 +607,15 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
     if design is None:  # measured on the H200: without hc_fn the legacy pass is faster (0.59 vs 0.73 ms)
         design = "fused" if precision == "split" and M >= FUSED_MIN_TOKENS and hc_fn is not None else "legacy"
     _require(design == "legacy" or precision == "split", f"design 'fused' needs precision 'split', got {precision!r}")
-    dbt, dbd, dnw, dns = DEFAULTS[design]
+    if design == "fused":  # h / f through TMA where the layout allows it (and the caller does not refuse)
+        tma_ok = _tma_ready(h2, f2)
+        _require(not tma or tma_ok, "mhc: tma=True needs a Hopper GPU (or the interpreter) and 16-byte aligned "
+                 "h / f base addresses and row strides")
+        tma = tma_ok and (TMA_DEFAULT if tma is None else bool(tma))
+    else:
+        _require(not tma, "mhc: tma=True needs design 'fused'")
+        tma = False
+    dbt, dbd, dnw, dns = DEFAULTS["fused_tma" if tma else design]
     block_t, block_d = block_t or dbt, block_d or dbd
     num_warps, num_stages = num_warps or dnw, num_stages or dns
     bt, bd, split, n_it = _plan(M, d, dev, block_t, block_d, split)
@@ -582,10 +634,15 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
     outs = (h_new if post_pass else h2, x if post_pass else h2, mixes if mixes is not None else h2, part, sq)
     if design == "fused":
         _require(fn_cols in (24, 32), f"fn_cols must be 24 or 32, got {fn_cols}")
+        h_desc = f_desc = h2  # unused unless TMA
+        if tma:
+            h_desc = TensorDescriptor.from_tensor(h2, [bt, 1, bd])
+            f_desc = TensorDescriptor.from_tensor(f2, [bt, bd]) if post_pass else h_desc
         w = _split_fn(fn, d, split * n_it * bd, fn_cols) if hc_fn is not None else h2
         _mhc_fused_kernel[grid](
-            h2, f2, post2, comb2, pre2, w, *outs, M, d, float(norm_eps), h2.stride(0), h2.stride(1),
-            f2.stride(0), w.stride(0), N_IT=n_it, PREFETCH=bool(prefetch), CAT=bool(cat), KW=fn_cols, **common)
+            h2, f2, post2, comb2, pre2, w, *outs, h_desc, f_desc, M, d, float(norm_eps), h2.stride(0), h2.stride(1),
+            f2.stride(0), w.stride(0), N_IT=n_it, PREFETCH=bool(prefetch) and not tma, CAT=bool(cat), TMA=tma,
+            KW=fn_cols, **common)
     else:
         _mhc_pass_kernel[grid](
             h2, f2, post2, comb2, pre2, fn, *outs, M, d, float(norm_eps), h2.stride(0), h2.stride(1),
@@ -599,14 +656,15 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
 def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor | None, norm_eps: float,
              *, block_t: int | None = None, block_d: int | None = None, split: int | None = None,
              precision: str | None = None, num_warps: int | None = None, num_stages: int | None = None,
-             design: str | None = None, prefetch: bool = False, cat: bool = True, fn_cols: int = 24
-             ) -> tuple[Tensor, Tensor, Tensor | None]:
+             design: str | None = None, prefetch: bool = False, cat: bool = True, fn_cols: int = 24,
+             tma: bool | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The Mega-mHC pass (see `ops.mhc_post`). Knobs: `design` (``fused`` | ``legacy``; None: fused from
     FUSED_MIN_TOKENS tokens with the ``split`` precision), BLOCK_T tokens × BLOCK_D channels per step,
     `split` d spans per token tile (None: enough programs for two per SM), `precision` of the
     projection (``split`` | ``tf32x3`` | ``ieee``); fused only: `prefetch` the next chunk's tiles into
     registers, `cat` the 4 streams into one K = 4·BLOCK_D operand, `fn_cols` (24 | 32) columns of the
-    planes. None block sizes / warps / stages take `DEFAULTS[design]`."""
+    planes, `tma` (None: wherever `_tma_ready`; True raises where it cannot). None block sizes / warps /
+    stages take `DEFAULTS["fused_tma"]` with TMA, else `DEFAULTS[design]`."""
     B, T, n, d = _check_streams("mhc_post", h, hc_fn)
     _require(tuple(f.shape) == (B, T, d), f"mhc_post: f must be {(B, T, d)}, got {tuple(f.shape)}")
     _require(f.dtype in FLOATS, f"mhc_post: f must be float32 or bfloat16, got {f.dtype}")
@@ -616,19 +674,19 @@ def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_f
     for name, t in (("f", f), ("post", post), ("comb", comb), ("pre", pre)):
         _require(t.device == h.device, f"mhc_post: {name} is on {t.device}, h on {h.device}")
     h_new, x, mixes = _launch_pass(h, f, post, comb, pre, hc_fn, norm_eps, block_t, block_d, split, precision,
-                                   num_warps, num_stages, design, prefetch, cat, fn_cols)
+                                   num_warps, num_stages, design, prefetch, cat, fn_cols, tma)
     return h_new, x, mixes
 
 
 def mhc_mixes(h: Tensor, hc_fn: Tensor, norm_eps: float, *, block_t: int | None = None, block_d: int | None = None,
               split: int | None = None, precision: str | None = None, num_warps: int | None = None,
               num_stages: int | None = None, design: str | None = None, prefetch: bool = False, cat: bool = True,
-              fn_cols: int = 24) -> Tensor:
+              fn_cols: int = 24, tma: bool | None = None) -> Tensor:
     """The coefficient projection of h alone (see `ops.mhc_mixes`): reads h once."""
     _require(hc_fn is not None, "mhc_mixes: hc_fn is required")
     _check_streams("mhc_mixes", h, hc_fn)
     return _launch_pass(h, None, None, None, None, hc_fn, norm_eps, block_t, block_d, split, precision,
-                        num_warps, num_stages, design, prefetch, cat, fn_cols)[2]
+                        num_warps, num_stages, design, prefetch, cat, fn_cols, tma)[2]
 
 
 def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int, eps: float,
