@@ -203,6 +203,7 @@ FUSED_CASES = [  # (dtype, B, T, d, knobs) for the pre-split-planes kernel (desi
     (torch.bfloat16, 1, 23, 48, dict(block_t=16, block_d=32, split=2, fn_cols=32)),  # ragged d (TMA zero fill)
     (torch.bfloat16, 1, 9, 40, dict(block_t=16, block_d=16, cat=False, tma=False)),  # one dot group per stream
     (torch.float32, 3, 5, 48, dict(block_t=16, block_d=16, split=3)),  # fp32 A: 6 MMAs, d spans + finish
+    (torch.float32, 2, 9, 48, dict(block_t=16, block_d=16, tma=True)),  # fp32 tiles through TMA (not the default)
     (torch.bfloat16, 2, 150, 80, dict(tma=True)),  # TMA defaults (128-token tiles, 8 warps), ragged rows and d
     (torch.bfloat16, 1, 40, 44, dict(block_t=16)),  # 88-byte rows: no TMA (not 16-byte aligned), plain loads
 ]

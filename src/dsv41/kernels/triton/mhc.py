@@ -553,7 +553,7 @@ def _split_fn(hc_fn: Tensor, d: int, d_pad: int, cols: int) -> Tensor:
     return w
 
 
-TMA_DEFAULT = True  # `tma=None`: the fused pass loads h / f through tensor descriptors where `_tma_ready`
+TMA_DEFAULT = True  # `tma=None`: the fused pass loads bf16 h / f through tensor descriptors where `_tma_ready`
 
 
 def _tma_ready(*ts: Tensor) -> bool:
@@ -611,7 +611,10 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
         tma_ok = _tma_ready(h2, f2)
         _require(not tma or tma_ok, "mhc: tma=True needs a Hopper GPU (or the interpreter) and 16-byte aligned "
                  "h / f base addresses and row strides")
-        tma = tma_ok and (TMA_DEFAULT if tma is None else bool(tma))
+        # default only for bf16 streams (the model's): fp32 tiles at the TMA block sizes need more shared
+        # memory than an SM has (336 KB at 128 × 32 with the split A operand)
+        default = TMA_DEFAULT and h2.element_size() == 2 and f2.element_size() == 2
+        tma = tma_ok and (default if tma is None else bool(tma))
     else:
         _require(not tma, "mhc: tma=True needs design 'fused'")
         tma = False
@@ -663,7 +666,7 @@ def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_f
     `split` d spans per token tile (None: enough programs for two per SM), `precision` of the
     projection (``split`` | ``tf32x3`` | ``ieee``); fused only: `prefetch` the next chunk's tiles into
     registers, `cat` the 4 streams into one K = 4·BLOCK_D operand, `fn_cols` (24 | 32) columns of the
-    planes, `tma` (None: wherever `_tma_ready`; True raises where it cannot). None block sizes / warps /
+    planes, `tma` (None: bf16 streams wherever `_tma_ready`; True raises where it cannot). None block sizes / warps /
     stages take `DEFAULTS["fused_tma"]` with TMA, else `DEFAULTS[design]`."""
     B, T, n, d = _check_streams("mhc_post", h, hc_fn)
     _require(tuple(f.shape) == (B, T, d), f"mhc_post: f must be {(B, T, d)}, got {tuple(f.shape)}")
