@@ -19,12 +19,15 @@ from dsv41.quant.fp4 import INDEX_BLOCK, fake_quant_index_fp4, quantize_fp4
 
 HI, DI, TOPK, PAGE_ROWS, BLOCK, KEEP_BLOCKS = 32, 128, 512, 256, 8, 2048
 ROW_BYTES = DI // 2 + DI // 32
+QUANTIZE = True  # benchmarks/sass.py sets False: random bytes build fast, and values never matter for compiling
 
 
 def _pool(n_pages: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
     """(n_pages, PAGE_ROWS, 68) uint8 of random keys, quantized in slices (bounded temporaries)."""
     out = []
     n = n_pages * PAGE_ROWS
+    if not QUANTIZE:
+        return torch.randint(0, 256, (n_pages, PAGE_ROWS, ROW_BYTES), generator=g, device=device, dtype=torch.uint8)
     for i in range(0, n, 1 << 20):
         x = torch.randn(min(1 << 20, n - i), DI, generator=g, device=device)
         packed, scales = quantize_fp4(x, INDEX_BLOCK, "e8m0")
