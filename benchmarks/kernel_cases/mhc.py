@@ -56,8 +56,8 @@ def cases(device: torch.device) -> list[dict]:
                    "of 128 tokens × 32 channels (8 warps, one per SM), h / f tiles by TMA and the planes by "
                    "cp.async, 2 chunks in flight (3 stages); the projection costs ~nothing beside the stream"),
         _post_case("mhc_post prefill, last pass", 1, 16384, 5120, device, False,
-                   "pure stream: residual update + collapse, no projection (legacy kernel: 64 × 64 tiles, "
-                   "plain loads; faster here than the fused one with TMA)"),
+                   "pure stream: residual update + collapse, no projection (legacy kernel, plain loads, "
+                   "16-token × 128-channel tiles since 2026-11-30: 64 × 64 stopped at 67 %)"),
         _post_case("mhc_post small preset", 4, 16384, 384, device, True,
                    "d = 384: 6 chunks per token tile, coefficient loads and the hc_fn split weigh more"),
         _post_case("mhc_post decode batch", 128, 1, 5120, device, True,

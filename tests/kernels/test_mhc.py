@@ -150,6 +150,19 @@ def test_mhc_post_mixed_dtypes_and_no_projection(poisoned, monkeypatch):
     bf16_ulp_close(x, hc_pre(h_new, pre), "x from h_new")
 
 
+def test_mhc_post_stream_defaults_without_projection(poisoned):
+    """The last pass (no hc_fn) at its own defaults, `DEFAULTS["stream"]` (16 tokens × 128 channels):
+    ragged token tiles and a ragged last chunk (d = 300), bf16 streams."""
+    from dsv41.kernels.triton import mhc as triton_mhc
+
+    h, f, post, comb, pre, _ = streams(1, 37, 300, torch.bfloat16, seed=33, with_fn=False)
+    h_new, x, mixes = triton_mhc.mhc_post(h, f, post, comb, pre, None, EPS)
+    e_h, _, _ = twin.mhc_post(h, f, post, comb, pre, None, EPS)
+    assert mixes is None
+    bf16_ulp_close(h_new, e_h, "h_new")
+    bf16_ulp_close(x, hc_pre(h_new, pre), "x from h_new")
+
+
 def test_mhc_post_bf16_rounds_ties_to_even(poisoned, monkeypatch):
     """h_new = f·(1 + k·2⁻⁸), k odd: every value lies halfway between two bf16 numbers."""
     g = torch.Generator().manual_seed(35)

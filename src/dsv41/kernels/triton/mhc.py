@@ -29,10 +29,13 @@ Two pass kernels (launcher knob `design`):
     with 2 stages, 0.65 at 64 tokens × 4 warps × 2 stages, 0.88 at BLOCK_D 64 and 0.80 with TMA
     stores of h_new / x as well (not kept); without TMA BLOCK_T 64, BLOCK_D 32, 4 warps, 3 stages —
     0.74 ms (53 %), 0.95 with the register prefetch; ``legacy`` 1.98 ms.
-  * ``legacy`` (`_mhc_pass_kernel`, decode, the pass without hc_fn — 0.59 ms there against 0.73 ms
-    fused — and the ``tf32x3`` / ``ieee`` precisions): hc_fn fp32 tiles read from L2 per stream and
-    split in registers, 4 × 3 small dots per chunk, serialized with the loads (20 % of copy with
-    the projection at 16K tokens; it spills at 255 registers).
+  * ``legacy`` (`_mhc_pass_kernel`, decode, the pass without hc_fn and the ``tf32x3`` / ``ieee``
+    precisions): hc_fn fp32 tiles read from L2 per stream and split in registers, 4 × 3 small dots
+    per chunk, serialized with the loads (20 % of copy with the projection at 16K tokens; it spills
+    at 255 registers). Without hc_fn it is a pure stream with its own defaults (`DEFAULTS["stream"]`):
+    16 tokens × 128 channels, 4 warps — 0.492 ms at 16K tokens × d = 5120 (80 % of copy; H200 sweep,
+    2026-11-30), against 0.51 at 16 × 64, 0.59 at 64 × 64 × 8 warps (the previous default), 0.63 at
+    16 × 256 or 32 × 128, 0.85–0.90 fused: small token tiles, many resident programs per SM.
 
 Precision of the projection. flatten(h_new) has n·d = 20480 terms and the contract is fp32 (it
 feeds sigmoids and a 20-round Sinkhorn). `precision`:
@@ -50,15 +53,19 @@ CUDA-core FMAs (``ieee``, ~0.3 ms on the cores that also do the update). On tens
 costs 3 × 2·32·4·d = 3.9 MFLOP per token (64 GFLOP, ~0.1 ms of m64n32k16 wgmma) that overlaps the
 stream. The fused loop issues ~1,060 instructions per thread per 64 × 32 chunk (half of them the
 update's FMAs; ~66 per token·channel, ~40 % of the issue slots at the copy rate). The plane tiles are
-re-read from L2 by every token tile (256 × 2.9 MB = 0.75 GB of L2 traffic beside the 1.68 GB
-stream). Measured with TMA loads 2 chunks deep it reaches 66 % of copy — the projection now costs
-almost nothing: the pass without it stops at the same 67 % (legacy kernel, 0.587 ms; the fused kernel
-without hc_fn is slower there, 0.80–0.85 ms, so `design=None` keeps legacy for it). The main loop
-issues ~1,100 instructions per thread per 128 × 32 chunk (8 warps: ~2,200 issue cycles per SM for
-80 KB moved, under half the issue rate the copy speed needs), so neither issue nor bytes in flight
-(2 × 40 KB per SM) is obviously the limit; 32-channel (64-byte) row pieces and one resident program
-per SM (188 KB of shared memory) are the suspects. Wider pieces need more shared memory than an SM
-has (BLOCK_D 64 at 128 tokens: 377 KB) unless the hc_fn planes stop being staged per chunk.
+re-read from L2 by every token tile (128 × 2.9 MB = 0.37 GB of L2 traffic beside the 1.68 GB
+stream at 128-token tiles). Measured with TMA loads 2 chunks deep it reaches 66 % of copy — the
+main loop issues ~1,100 instructions per thread per 128 × 32 chunk (8 warps: ~2,200 issue cycles
+per SM for 80 KB moved, under half the issue rate the copy speed needs) and keeps 2 × 40 KB per SM
+in flight, so neither issue nor bytes in flight per program is the limit. The tile shape is: the
+pass without the projection also stops at 67 % with 64-token tiles and reaches 75–80 % with 16-token
+tiles of 64–128 channels (`DEFAULTS["stream"]`; many small programs resident per SM). The projection
+wants the opposite — tall token tiles, so that each hc_fn plane tile read from L2 serves many tokens
+(16- or 32-token fused tiles: 1.9–2.3 ms), and wider chunks at 128 tokens need more shared memory
+than an SM has (BLOCK_D 64: 377 KB, most of it the staged planes). Next: keep the planes out of the
+per-chunk pipeline (e.g. a persistent program per SM holding a tall tile's projection accumulator
+while it walks short token slices), or project in a separate pass over h_new (+0.67 GB read) behind
+a stream at 80 %.
 
 Interpreter note: TRITON_INTERPRET's fp32 → bf16 cast truncates, so there (EXACT_CAST) the rounding
 of h_new and x to bf16 is done with integer bit arithmetic (round to nearest even, exact); the GPU
@@ -539,7 +546,8 @@ def _plan(M: int, d: int, device: torch.device, block_t: int, block_d: int, spli
 DESIGNS = ("fused", "legacy")
 # BLOCK_T, BLOCK_D, num_warps, num_stages when the caller leaves them None: per design, and for the fused
 # design with TMA loads (the fastest of the H200 sweeps, 2026-11-30 — see the module docstring)
-DEFAULTS = {"fused_tma": (128, 32, 8, 3), "fused": (64, 32, 4, 3), "legacy": (64, 64, 8, 1)}
+DEFAULTS = {"fused_tma": (128, 32, 8, 3), "fused": (64, 32, 4, 3), "legacy": (64, 64, 8, 1),
+            "stream": (16, 128, 4, 1)}  # "stream": the legacy kernel without hc_fn (pure stream)
 FUSED_MIN_TOKENS = 256  # below this (decode) `design=None` keeps the legacy kernel: no extra split launch
 
 
@@ -618,7 +626,7 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
     else:
         _require(not tma, "mhc: tma=True needs design 'fused'")
         tma = False
-    dbt, dbd, dnw, dns = DEFAULTS["fused_tma" if tma else design]
+    dbt, dbd, dnw, dns = DEFAULTS["fused_tma" if tma else "stream" if design == "legacy" and hc_fn is None else design]
     block_t, block_d = block_t or dbt, block_d or dbd
     num_warps, num_stages = num_warps or dnw, num_stages or dns
     bt, bd, split, n_it = _plan(M, d, dev, block_t, block_d, split)
