@@ -280,6 +280,9 @@ def test_design_knobs_are_checked():
         triton_mhc.mhc_mixes(h, fn, EPS, design="fused", fn_cols=16)
     with pytest.raises(ValueError, match="tma=True needs design"):
         triton_mhc.mhc_post(h, f, post, comb, pre, fn, EPS, design="legacy", tma=True)
+    tall = streams(1, 300, 32, torch.bfloat16, seed=93)  # 512-token tiles: more than a TMA box holds
+    with pytest.raises(ValueError, match="≤ 256"):
+        triton_mhc.mhc_post(*tall[:5], tall[5], EPS, design="fused", tma=True, block_t=512)
     h, f, post, comb, pre, fn = streams(1, 3, 44, torch.bfloat16, seed=92)  # 88-byte rows
     with pytest.raises(ValueError, match="16-byte aligned"):
         triton_mhc.mhc_post(h, f, post, comb, pre, fn, EPS, design="fused", tma=True)

@@ -353,7 +353,9 @@ def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr
                       KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """The pass with pre-split hc_fn planes (`_mhc_fn_split_kernel`): per chunk the 4 rounded h_new
     tiles are one (BLOCK_T, 4·BLOCK_D) A operand (CAT) against the chunk's (4·BLOCK_D, KW → KP) bf16 planes —
-    3 dots, no splitting math — and the next chunk's 5 tiles are loaded before this chunk's math (PREFETCH)."""
+    3 dots, no splitting math. The chunk's 5 h / f tiles come through tensor descriptors (TMA: pipelined
+    by Triton in shared memory), or as register loads, the next chunk's issued before this chunk's
+    math (PREFETCH), or plain."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -612,7 +614,7 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
 
     # fused (pre-split planes) unless the caller asks otherwise, the projection is not `split`, or it is a
     # decode step (a few tokens: the extra split launch would cost more than it saves)
-    if design is None:  # measured on the H200: without hc_fn the legacy pass is faster (0.59 vs 0.73 ms)
+    if design is None:  # measured on the H200: without hc_fn the legacy pass is faster (0.49 vs 0.80 ms)
         design = "fused" if precision == "split" and M >= FUSED_MIN_TOKENS and hc_fn is not None else "legacy"
     _require(design == "legacy" or precision == "split", f"design 'fused' needs precision 'split', got {precision!r}")
     if design == "fused":  # h / f through TMA where the layout allows it (and the caller does not refuse)
@@ -622,14 +624,18 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
         # default only for bf16 streams (the model's): fp32 tiles at the TMA block sizes need more shared
         # memory than an SM has (336 KB at 128 × 32 with the split A operand)
         default = TMA_DEFAULT and h2.element_size() == 2 and f2.element_size() == 2
+        explicit_tma = bool(tma)
         tma = tma_ok and (default if tma is None else bool(tma))
     else:
         _require(not tma, "mhc: tma=True needs design 'fused'")
-        tma = False
+        tma = explicit_tma = False
     dbt, dbd, dnw, dns = DEFAULTS["fused_tma" if tma else "stream" if design == "legacy" and hc_fn is None else design]
     block_t, block_d = block_t or dbt, block_d or dbd
     num_warps, num_stages = num_warps or dnw, num_stages or dns
     bt, bd, split, n_it = _plan(M, d, dev, block_t, block_d, split)
+    if tma and max(bt, bd) > 256:  # a TMA box is at most 256 elements per dimension
+        _require(not explicit_tma, f"mhc: tma=True needs block_t and block_d ≤ 256, got {bt}, {bd}")
+        tma = False
     final = split == 1 or hc_fn is None
     if final:
         part = sq = h2  # unused
@@ -674,8 +680,10 @@ def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_f
     `split` d spans per token tile (None: enough programs for two per SM), `precision` of the
     projection (``split`` | ``tf32x3`` | ``ieee``); fused only: `prefetch` the next chunk's tiles into
     registers, `cat` the 4 streams into one K = 4·BLOCK_D operand, `fn_cols` (24 | 32) columns of the
-    planes, `tma` (None: bf16 streams wherever `_tma_ready`; True raises where it cannot). None block sizes / warps /
-    stages take `DEFAULTS["fused_tma"]` with TMA, else `DEFAULTS[design]`."""
+    planes, `tma` (h / f through tensor descriptors; None: bf16 streams wherever `_tma_ready` and the
+    blocks are ≤ 256; True raises where it cannot). None block sizes / warps / stages take
+    `DEFAULTS["fused_tma"]` with TMA, `DEFAULTS["stream"]` for legacy without hc_fn, else
+    `DEFAULTS[design]`."""
     B, T, n, d = _check_streams("mhc_post", h, hc_fn)
     _require(tuple(f.shape) == (B, T, d), f"mhc_post: f must be {(B, T, d)}, got {tuple(f.shape)}")
     _require(f.dtype in FLOATS, f"mhc_post: f must be float32 or bfloat16, got {f.dtype}")
