@@ -172,6 +172,32 @@ def _collapse(cf, n0, n1, n2, n3):
 
 
 @triton.jit
+def _token_tile(post_ptr, comb_ptr, pre_ptr, M, POST: tl.constexpr, BLOCK_T: tl.constexpr, KP: tl.constexpr):
+    """A pass program's BLOCK_T tokens: (rows64, row_ok), their 24 coefficients (`_coefs`, POST only)
+    and the zeroed projection accumulators (acc (BLOCK_T, KP), Σ h_new² (BLOCK_T,))."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    cf = ()
+    if POST:
+        cf = _coefs(post_ptr, comb_ptr, pre_ptr, rows64, row_ok)
+    return rows64, row_ok, cf, tl.zeros((BLOCK_T, KP), dtype=tl.float32), tl.zeros((BLOCK_T,), dtype=tl.float32)
+
+
+@triton.jit
+def _store_update(hnew_ptr, x_ptr, out_row, x_row, col, ok, D, n0, n1, n2, n3, x):
+    """A chunk's outputs: the 4 h_new stream tiles (rows out_row, stride D) and the x tile, cast to
+    their dtype (a no-op for tiles already in it)."""
+    o_ty = hnew_ptr.dtype.element_ty
+    hn = hnew_ptr + out_row + col[None, :]
+    tl.store(hn, n0.to(o_ty), mask=ok)
+    tl.store(hn + D, n1.to(o_ty), mask=ok)
+    tl.store(hn + 2 * D, n2.to(o_ty), mask=ok)
+    tl.store(hn + 3 * D, n3.to(o_ty), mask=ok)
+    tl.store(x_ptr + x_row + col[None, :], x.to(x_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _store_mixes(acc, sq, mix_ptr, part_ptr, sq_ptr, rows64, row_ok, kk, pid_s, M, D, norm_eps,
                  FINAL: tl.constexpr, K_OUT: tl.constexpr, KP: tl.constexpr):
     """The projection's epilogue: mixes = acc · rsqrt(mean(h_new²) + eps), or (d split) this span's
@@ -199,18 +225,9 @@ def _mhc_pass_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, hnew_ptr
                      POST: tl.constexpr, HAS_FN: tl.constexpr, FINAL: tl.constexpr, OUT_BF16: tl.constexpr,
                      A_BF16: tl.constexpr, EXACT_CAST: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
                      K_OUT: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < M
-    rows64 = rows.to(tl.int64)
+    rows64, row_ok, cf, acc, sq = _token_tile(post_ptr, comb_ptr, pre_ptr, M, POST, BLOCK_T, KP)
     kk = tl.arange(0, KP)
-
-    if POST:
-        cf = _coefs(post_ptr, comb_ptr, pre_ptr, rows64, row_ok)
-
-    acc = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
-    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     h_row = h_ptr + rows64[:, None] * s_ht
     out_row = rows64[:, None] * (4 * D)
     for it in range(N_IT):  # this program's span of d: N_IT chunks (the last span may end early)
@@ -228,14 +245,9 @@ def _mhc_pass_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, hnew_ptr
             n1 = _to_out(_residual(cf, f, h0, h1, h2, h3, 1), OUT_BF16, EXACT_CAST)
             n2 = _to_out(_residual(cf, f, h0, h1, h2, h3, 2), OUT_BF16, EXACT_CAST)
             n3 = _to_out(_residual(cf, f, h0, h1, h2, h3, 3), OUT_BF16, EXACT_CAST)
-            hn = hnew_ptr + out_row + col[None, :]
-            tl.store(hn, n0.to(hnew_ptr.dtype.element_ty), mask=ok)
-            tl.store(hn + D, n1.to(hnew_ptr.dtype.element_ty), mask=ok)
-            tl.store(hn + 2 * D, n2.to(hnew_ptr.dtype.element_ty), mask=ok)
-            tl.store(hn + 3 * D, n3.to(hnew_ptr.dtype.element_ty), mask=ok)
             # the next sublayer's input from the rounded streams (hc_pre)
             x = _to_out(_collapse(cf, n0, n1, n2, n3), OUT_BF16, EXACT_CAST)
-            tl.store(x_ptr + rows64[:, None] * D + col[None, :], x.to(x_ptr.dtype.element_ty), mask=ok)
+            _store_update(hnew_ptr, x_ptr, out_row, rows64[:, None] * D, col, ok, D, n0, n1, n2, n3, x)
         else:
             n0, n1, n2, n3 = h0, h1, h2, h3
         if HAS_FN:
@@ -356,19 +368,10 @@ def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr
     3 dots, no splitting math. The chunk's 5 h / f tiles come through tensor descriptors (TMA: pipelined
     by Triton in shared memory), or as register loads, the next chunk's issued before this chunk's
     math (PREFETCH), or plain."""
-    pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < M
-    rows64 = rows.to(tl.int64)
+    rows64, row_ok, cf, acc, sq = _token_tile(post_ptr, comb_ptr, pre_ptr, M, POST, BLOCK_T, KP)
     kk = tl.arange(0, KP)
     cc = tl.arange(0, BLOCK_D)
-
-    if POST:
-        cf = _coefs(post_ptr, comb_ptr, pre_ptr, rows64, row_ok)
-
-    acc = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
-    sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
     h_row = h_ptr + rows64[:, None] * s_ht
     f_row = f_ptr + rows64[:, None] * s_ft
     out_row = rows64[:, None] * (4 * D)
@@ -385,7 +388,8 @@ def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr
             nok = row_ok[:, None] & ((ncol < D) & (it + 1 < N_IT))[None, :]
             u0, u1, u2, u3, uf = _load5(h_row, f_row, s_hn, ncol, nok, POST)
         elif TMA:
-            h0, h1, h2, h3, f = _load5_tma(h_desc, f_desc, pid_t * BLOCK_T, col0 + it * BLOCK_D, BLOCK_T, BLOCK_D, POST)
+            h0, h1, h2, h3, f = _load5_tma(h_desc, f_desc, tl.program_id(0) * BLOCK_T, col0 + it * BLOCK_D, BLOCK_T,
+                                           BLOCK_D, POST)
         else:
             h0, h1, h2, h3, f = _load5(h_row, f_row, s_hn, col, ok, POST)
         g0 = h0.to(tl.float32)
@@ -399,13 +403,8 @@ def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr
             o1, n1 = _rounded(_residual(cf, ff, g0, g1, g2, g3, 1), o_ty, OUT_BF16, EXACT_CAST)
             o2, n2 = _rounded(_residual(cf, ff, g0, g1, g2, g3, 2), o_ty, OUT_BF16, EXACT_CAST)
             o3, n3 = _rounded(_residual(cf, ff, g0, g1, g2, g3, 3), o_ty, OUT_BF16, EXACT_CAST)
-            hn = hnew_ptr + out_row + col[None, :]
-            tl.store(hn, o0, mask=ok)
-            tl.store(hn + D, o1, mask=ok)
-            tl.store(hn + 2 * D, o2, mask=ok)
-            tl.store(hn + 3 * D, o3, mask=ok)
             x = _to_out(_collapse(cf, n0, n1, n2, n3), OUT_BF16, EXACT_CAST)
-            tl.store(x_ptr + x_row + col[None, :], x.to(x_ptr.dtype.element_ty), mask=ok)
+            _store_update(hnew_ptr, x_ptr, out_row, x_row, col, ok, D, o0, o1, o2, o3, x)
         else:
             n0, n1, n2, n3 = g0, g1, g2, g3
             o0, o1, o2, o3 = h0, h1, h2, h3
