@@ -202,6 +202,8 @@ def test_projection_is_fp32_accurate(poisoned, monkeypatch, dtype):
     (torch.float32, dict(block_t=16, block_d=32, split=1)),
     (torch.float32, dict(block_t=16, block_d=16)),  # default split: several spans + the finish kernel
     (torch.bfloat16, dict(block_t=32, block_d=32, split=2)),
+    (torch.bfloat16, dict(block_t=16, block_d=16, cat=1)),  # interleaved operand (mhc_post's default)
+    (torch.float32, dict(block_t=16, block_d=16, cat=2, split=1)),
 ])
 def test_mhc_mixes_matches_twin(poisoned, monkeypatch, dtype, knobs):
     h, *_, fn = streams(2, 13, 48, dtype, seed=41)
@@ -212,9 +214,11 @@ def test_mhc_mixes_matches_twin(poisoned, monkeypatch, dtype, knobs):
 
 
 FUSED_CASES = [  # (dtype, B, T, d, knobs) for the pre-split-planes kernel (design="fused")
-    (torch.bfloat16, 1, 19, 48, dict(block_t=16, block_d=16, tma=False, prefetch=True)),  # ragged tile, register prefetch
+    (torch.bfloat16, 1, 19, 48, dict(block_t=16, block_d=16, tma=False, prefetch=True)),  # ragged, register prefetch
+    (torch.bfloat16, 1, 19, 48, dict(block_t=16, block_d=16, cat=2)),  # streams side by side (register A)
+    (torch.float32, 2, 7, 48, dict(block_t=16, block_d=16, cat=2, split=2)),  # the same with a split fp32 A
     (torch.bfloat16, 1, 23, 48, dict(block_t=16, block_d=32, split=2, fn_cols=32)),  # ragged d (TMA zero fill)
-    (torch.bfloat16, 1, 9, 40, dict(block_t=16, block_d=16, cat=False, tma=False)),  # one dot group per stream
+    (torch.bfloat16, 1, 9, 40, dict(block_t=16, block_d=16, cat=0, tma=False)),  # one dot group per stream
     (torch.float32, 3, 5, 48, dict(block_t=16, block_d=16, split=3)),  # fp32 A: 6 MMAs, d spans + finish
     (torch.float32, 2, 9, 48, dict(block_t=16, block_d=16, tma=True)),  # fp32 tiles through TMA (not the default)
     (torch.bfloat16, 2, 150, 80, dict(tma=True)),  # TMA defaults (128-token tiles, 8 warps), ragged rows and d
@@ -278,6 +282,8 @@ def test_design_knobs_are_checked():
         triton_mhc.mhc_post(h, f, post, comb, pre, fn, EPS, design="fused", precision="ieee")
     with pytest.raises(ValueError, match="fn_cols"):
         triton_mhc.mhc_mixes(h, fn, EPS, design="fused", fn_cols=16)
+    with pytest.raises(ValueError, match="cat must be"):
+        triton_mhc.mhc_post(h, f, post, comb, pre, fn, EPS, design="fused", cat=3)
     with pytest.raises(ValueError, match="tma=True needs design"):
         triton_mhc.mhc_post(h, f, post, comb, pre, fn, EPS, design="legacy", tma=True)
     tall = streams(1, 300, 32, torch.bfloat16, seed=93)  # 512-token tiles: more than a TMA box holds
@@ -466,7 +472,8 @@ def test_gpu_mhc_post_v41_flash(B, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("design,knobs", [("fused", {}), ("fused", dict(tma=False, cat=False, fn_cols=32)),
+@pytest.mark.parametrize("design,knobs", [("fused", {}), ("fused", dict(tma=False, cat=0, fn_cols=32)),
+                                          ("fused", dict(cat=2)),
                                           ("fused", dict(tma=False, block_t=128, num_warps=8, num_stages=1)),
                                           ("fused", dict(block_t=64, num_warps=4, num_stages=2)), ("legacy", {})])
 @pytest.mark.parametrize("with_fn", [True, False])

@@ -17,7 +17,7 @@ Two pass kernels (launcher knob `design`):
   * ``fused`` (`_mhc_fused_kernel`, the default from FUSED_MIN_TOKENS tokens when hc_fn is given):
     `_mhc_fn_split_kernel` first splits hc_fn once per call into bf16 planes W (3, 4·d, 24) — hi,
     mid, lo, row 4·c + i = column i·d + c — so the chunk loop does no splitting math: the 4 rounded
-    bf16 h_new tiles are joined into one (BLOCK_T, 4·BLOCK_D) A operand (`_cat4`) against the chunk's
+    bf16 h_new tiles are joined into one (BLOCK_T, 4·BLOCK_D) A operand (`_cat4`; `CATS`) against the chunk's
     contiguous (4·BLOCK_D, 24 → 32) plane tiles: 3 dots (register A, B by cp.async when num_stages
     ≥ 2, the last wgmma left in flight into the next chunk). `tma` (default where `_tma_ready`: sm_90+
     or the interpreter, 16-byte aligned rows) loads the 5 h/f tiles through tensor descriptors, so
@@ -80,7 +80,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dsv41.kernels.triton.common import capability, dot_dtype, interpreting, runnable
@@ -297,9 +296,13 @@ def _rounded(v, o_ty: tl.constexpr, OUT_BF16: tl.constexpr, EXACT_CAST: tl.const
 
 
 @triton.jit
-def _cat4(a0, a1, a2, a3, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Four (BLOCK_T, BLOCK_D) tiles → one (BLOCK_T, 4·BLOCK_D) operand, column 4·c + i = a_i[:, c]."""
-    return tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (BLOCK_T, 4 * BLOCK_D))
+def _cat4(a0, a1, a2, a3, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKED: tl.constexpr):
+    """Four (BLOCK_T, BLOCK_D) tiles → one (BLOCK_T, 4·BLOCK_D) operand: column 4·c + i = a_i[:, c]
+    (interleaved), or with BLOCKED column i·BLOCK_D + c (the streams side by side)."""
+    x = tl.join(tl.join(a0, a2), tl.join(a1, a3))  # [t, c, j, k] = a_{2j+k}[t, c]
+    if BLOCKED:
+        x = tl.permute(x, (0, 2, 3, 1))
+    return tl.reshape(x, (BLOCK_T, 4 * BLOCK_D))
 
 
 @triton.jit
@@ -415,8 +418,11 @@ def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr
             wr = (col0 + it * BLOCK_D) * 4  # first W row of the chunk (W is zero-padded past 4·D)
             w_ok = (kk < KW)[None, :]
             if CAT:
-                a = _cat4(n0, n1, n2, n3, BLOCK_T, BLOCK_D)
-                w_off = (wr + tl.arange(0, 4 * BLOCK_D))[:, None] * KW + kk[None, :]
+                a = _cat4(n0, n1, n2, n3, BLOCK_T, BLOCK_D, CAT == 2)
+                r = tl.arange(0, 4 * BLOCK_D)
+                if CAT == 2:  # row i·BLOCK_D + c of the operand is plane row 4·c + i
+                    r = 4 * (r % BLOCK_D) + r // BLOCK_D
+                w_off = (wr + r)[:, None] * KW + kk[None, :]
                 acc = _dot3(acc, a, w_ptr, w_off, w_ok, s_wp, A_BF16, DOT)
             else:  # one K = BLOCK_D operand per stream (rows 4·c + i of the planes)
                 w_off = (wr + 4 * cc)[:, None] * KW + kk[None, :]
@@ -497,9 +503,9 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _programs_wanted(device: torch.device) -> int:
-    """Two programs per SM (a small number in the interpreter, so tests reach the split path)."""
-    return 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+def _programs_wanted(device: torch.device, per_sm: int = 2) -> int:
+    """per_sm programs per SM (a small number in the interpreter, so tests reach the split path)."""
+    return per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 8
 
 
@@ -528,16 +534,17 @@ def _check_streams(name: str, h: Tensor, hc_fn: Tensor | None) -> tuple[int, int
     return B, T, n, d
 
 
-def _plan(M: int, d: int, device: torch.device, block_t: int, block_d: int, split: int | None
+def _plan(M: int, d: int, device: torch.device, block_t: int, block_d: int, split: int | None, per_sm: int = 2
           ) -> tuple[int, int, int, int]:
-    """Block sizes shrunk to the problem, and the d split: (BLOCK_T, BLOCK_D, SPLIT, chunks per span)."""
+    """Block sizes shrunk to the problem, and the d split: (BLOCK_T, BLOCK_D, SPLIT, chunks per span);
+    split=None splits d only when the token tiles give fewer than half of per_sm programs per SM."""
     for knob, value in (("block_t", block_t), ("block_d", block_d)):
         _require(value >= 16 and value & (value - 1) == 0, f"{knob} must be a power of two ≥ 16, got {value}")
     bt = max(16, min(block_t, triton.next_power_of_2(M)))
     bd = max(16, min(block_d, triton.next_power_of_2(d)))
     tiles, chunks = triton.cdiv(M, bt), triton.cdiv(d, bd)
     if split is None:
-        want = _programs_wanted(device)
+        want = _programs_wanted(device, per_sm)
         split = 1 if 2 * tiles >= want else min(chunks, triton.cdiv(want, tiles))
     _require(split >= 1, f"split must be ≥ 1, got {split}")
     per = triton.cdiv(chunks, min(split, chunks))  # chunks per span; no span is empty
@@ -549,6 +556,12 @@ DESIGNS = ("fused", "legacy")
 # design with TMA loads (the fastest of the H200 sweeps, 2026-11-30 — see the module docstring)
 DEFAULTS = {"fused_tma": (128, 32, 8, 3), "fused": (64, 32, 4, 3), "legacy": (64, 64, 8, 1),
             "stream": (16, 128, 4, 1)}  # "stream": the legacy kernel without hc_fn (pure stream)
+# how the fused pass feeds the 4 rounded streams to the projection: 0 one K = BLOCK_D operand per stream
+# (12 dots), 1 one operand with interleaved columns 4·c + i (shared-memory A), 2 the streams side by side,
+# columns i·BLOCK_D + c (register A; with the update's registers live it spills). H200 sweep 2026-11-30,
+# 16K tokens × d = 5120: mhc_post 0.578 ms with 1 vs 0.964 with 2; mhc_mixes 0.285 with 2 vs 0.324 with 1.
+CATS = (0, 1, 2)
+CAT_DEFAULT = {True: 1, False: 2}  # by "is there a residual update" (mhc_post / mhc_mixes)
 FUSED_MIN_TOKENS = 256  # below this (decode) `design=None` keeps the legacy kernel: no extra split launch
 
 
@@ -581,7 +594,7 @@ def _tma_ready(*ts: Tensor) -> bool:
 def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor | None, pre: Tensor | None,
                  hc_fn: Tensor | None, norm_eps: float, block_t: int | None, block_d: int | None, split: int | None,
                  precision: str | None, num_warps: int | None, num_stages: int | None, design: str | None,
-                 prefetch: bool, cat: bool, fn_cols: int, tma: bool | None = None
+                 prefetch: bool, cat: int | None, fn_cols: int, tma: bool | None = None
                  ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     B, T, n, d = h.shape
     M, K = B * T, (2 + n) * n
@@ -631,7 +644,9 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
     dbt, dbd, dnw, dns = DEFAULTS["fused_tma" if tma else "stream" if design == "legacy" and hc_fn is None else design]
     block_t, block_d = block_t or dbt, block_d or dbd
     num_warps, num_stages = num_warps or dnw, num_stages or dns
-    bt, bd, split, n_it = _plan(M, d, dev, block_t, block_d, split)
+    # the TMA pass holds ~188 KB of shared memory: one resident program per SM, so a tile per SM is enough
+    # (16K tokens × d = 5120: 0.578 ms unsplit vs 0.598 split in 3, H200 sweep 2026-11-30)
+    bt, bd, split, n_it = _plan(M, d, dev, block_t, block_d, split, per_sm=1 if tma else 2)
     if tma and max(bt, bd) > 256:  # a TMA box is at most 256 elements per dimension
         _require(not explicit_tma, f"mhc: tma=True needs block_t and block_d ≤ 256, got {bt}, {bd}")
         tma = False
@@ -650,6 +665,8 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
     outs = (h_new if post_pass else h2, x if post_pass else h2, mixes if mixes is not None else h2, part, sq)
     if design == "fused":
         _require(fn_cols in (24, 32), f"fn_cols must be 24 or 32, got {fn_cols}")
+        cat = CAT_DEFAULT[post_pass] if cat is None else cat
+        _require(cat in CATS, f"cat must be one of {CATS}, got {cat!r}")
         h_desc = f_desc = h2  # unused unless TMA
         if tma:
             h_desc = TensorDescriptor.from_tensor(h2, [bt, 1, bd])
@@ -657,7 +674,7 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
         w = _split_fn(fn, d, split * n_it * bd, fn_cols) if hc_fn is not None else h2
         _mhc_fused_kernel[grid](
             h2, f2, post2, comb2, pre2, w, *outs, h_desc, f_desc, M, d, float(norm_eps), h2.stride(0), h2.stride(1),
-            f2.stride(0), w.stride(0), N_IT=n_it, PREFETCH=bool(prefetch) and not tma, CAT=bool(cat), TMA=tma,
+            f2.stride(0), w.stride(0), N_IT=n_it, PREFETCH=bool(prefetch) and not tma, CAT=int(cat), TMA=tma,
             KW=fn_cols, **common)
     else:
         _mhc_pass_kernel[grid](
@@ -672,15 +689,15 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
 def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor | None, norm_eps: float,
              *, block_t: int | None = None, block_d: int | None = None, split: int | None = None,
              precision: str | None = None, num_warps: int | None = None, num_stages: int | None = None,
-             design: str | None = None, prefetch: bool = False, cat: bool = True, fn_cols: int = 24,
+             design: str | None = None, prefetch: bool = False, cat: int | None = None, fn_cols: int = 24,
              tma: bool | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The Mega-mHC pass (see `ops.mhc_post`). Knobs: `design` (``fused`` | ``legacy``; None: fused from
     FUSED_MIN_TOKENS tokens with the ``split`` precision), BLOCK_T tokens × BLOCK_D channels per step,
-    `split` d spans per token tile (None: enough programs for two per SM), `precision` of the
-    projection (``split`` | ``tf32x3`` | ``ieee``); fused only: `prefetch` the next chunk's tiles into
-    registers, `cat` the 4 streams into one K = 4·BLOCK_D operand, `fn_cols` (24 | 32) columns of the
-    planes, `tma` (h / f through tensor descriptors; None: bf16 streams wherever `_tma_ready` and the
-    blocks are ≤ 256; True raises where it cannot). None block sizes / warps / stages take
+    `split` d spans per token tile (None: `_plan`'s choice), `precision` of the projection (``split`` |
+    ``tf32x3`` | ``ieee``); fused only: `prefetch` the next chunk's tiles into registers, `cat` (`CATS`;
+    None: CAT_DEFAULT) how the 4 streams meet the planes, `fn_cols` (24 | 32) columns of the planes,
+    `tma` (h / f through tensor descriptors; None: bf16 streams wherever `_tma_ready` and the blocks are
+    ≤ 256; True raises where it cannot). None block sizes / warps / stages take
     `DEFAULTS["fused_tma"]` with TMA, `DEFAULTS["stream"]` for legacy without hc_fn, else
     `DEFAULTS[design]`."""
     B, T, n, d = _check_streams("mhc_post", h, hc_fn)
@@ -698,8 +715,8 @@ def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_f
 
 def mhc_mixes(h: Tensor, hc_fn: Tensor, norm_eps: float, *, block_t: int | None = None, block_d: int | None = None,
               split: int | None = None, precision: str | None = None, num_warps: int | None = None,
-              num_stages: int | None = None, design: str | None = None, prefetch: bool = False, cat: bool = True,
-              fn_cols: int = 24, tma: bool | None = None) -> Tensor:
+              num_stages: int | None = None, design: str | None = None, prefetch: bool = False,
+              cat: int | None = None, fn_cols: int = 24, tma: bool | None = None) -> Tensor:
     """The coefficient projection of h alone (see `ops.mhc_mixes`): reads h once."""
     _require(hc_fn is not None, "mhc_mixes: hc_fn is required")
     _check_streams("mhc_mixes", h, hc_fn)
