@@ -54,12 +54,15 @@ costs 3 × 2·32·4·d = 3.9 MFLOP per token (64 GFLOP, ~0.1 ms of m64n32k16 wgm
 stream. The fused loop issues ~1,060 instructions per thread per 64 × 32 chunk (half of them the
 update's FMAs; ~66 per token·channel, ~40 % of the issue slots at the copy rate). The plane tiles are
 re-read from L2 by every token tile (128 × 2.9 MB = 0.37 GB of L2 traffic beside the 1.68 GB
-stream at 128-token tiles). Measured with TMA loads 2 chunks deep it reaches 66 % of copy — the
+stream at 128-token tiles). Measured with TMA loads it reaches 68.6 % of copy (0.578 ms unsplit) — the
 main loop issues ~1,100 instructions per thread per 128 × 32 chunk (8 warps: ~2,200 issue cycles
-per SM for 80 KB moved, under half the issue rate the copy speed needs) and keeps 2 × 40 KB per SM
-in flight, so neither issue nor bytes in flight per program is the limit. The tile shape is: the
-pass without the projection also stops at 67 % with 64-token tiles and reaches 75–80 % with 16-token
-tiles of 64–128 channels (`DEFAULTS["stream"]`; many small programs resident per SM). The projection
+per SM for 80 KB moved; Nsight Compute: 34 % of issue slots busy) with one 40 KB h / f chunk in
+flight while it computes the other (two TMA buffers; the plane tiles are three deep). Its stalls
+(benchmarks/ncu.py): waiting on the TMA chunk 22 %, the shared-memory round trip of the A operand
+17 % (8-way bank-conflicted stores; 37 % of shared wavefronts are excess), a block barrier before
+each of the 5 TMA issues per chunk 10 %. The tile shape matters too: the pass without the projection
+stops at 67 % with 64-token tiles and reaches 73–80 % with 16-token tiles of 64–128 channels
+(`DEFAULTS["stream"]`; two 4-warp programs per SM, plain loads). The projection
 wants the opposite — tall token tiles, so that each hc_fn plane tile read from L2 serves many tokens
 (16- or 32-token fused tiles: 1.9–2.3 ms), and wider chunks at 128 tokens need more shared memory
 than an SM has (BLOCK_D 64: 377 KB, most of it the staged planes). Next: keep the planes out of the
