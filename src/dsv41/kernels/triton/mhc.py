@@ -15,20 +15,21 @@ axis is split, each program writes its partial projection + Σ h² to a workspac
 `_mhc_finish_kernel` sums the SPLIT partials in a fixed order (deterministic) and applies the RMS.
 Two pass kernels (launcher knob `design`):
   * ``fused`` (`_mhc_fused_kernel`, the default from FUSED_MIN_TOKENS tokens when hc_fn is given):
-    `_mhc_fn_split_kernel` first splits hc_fn once per call into bf16 planes W (3, 4·d, 24) — hi,
+    `_mhc_fn_split_kernel` first splits hc_fn once per call into bf16 planes W (3, 4·d, 32) — hi,
     mid, lo, row 4·c + i = column i·d + c — so the chunk loop does no splitting math: the 4 rounded
-    bf16 h_new tiles are joined into one (BLOCK_T, 4·BLOCK_D) A operand (`_cat4`; `CATS`) against the chunk's
-    contiguous (4·BLOCK_D, 24 → 32) plane tiles: 3 dots (register A, B by cp.async when num_stages
-    ≥ 2, the last wgmma left in flight into the next chunk). `tma` (default where `_tma_ready`: sm_90+
-    or the interpreter, 16-byte aligned rows) loads the 5 h/f tiles through tensor descriptors, so
-    Triton's pipeliner keeps num_stages − 1 chunks of them in flight in shared memory (the copy
-    engine, no address math in the loop; rows ≥ M and columns ≥ D arrive as zeros); without it they
-    are plain register loads, and `prefetch` can load the next chunk's tiles into registers before
-    this chunk's math. Defaults (the fastest of the H200 sweeps, 2026-11-30): with TMA BLOCK_T 128,
-    BLOCK_D 32, 8 warps, 3 stages — 0.595 ms at 16K tokens × d = 5120 (66 % of copy), against 0.70
-    with 2 stages, 0.65 at 64 tokens × 4 warps × 2 stages, 0.88 at BLOCK_D 64 and 0.80 with TMA
-    stores of h_new / x as well (not kept); without TMA BLOCK_T 64, BLOCK_D 32, 4 warps, 3 stages —
-    0.74 ms (53 %), 0.95 with the register prefetch; ``legacy`` 1.98 ms.
+    bf16 h_new tiles are joined into one (BLOCK_T, 4·BLOCK_D) A operand (`_cat4`; `CATS`) against the
+    chunk's contiguous (4·BLOCK_D, 32) plane tiles (columns 24–31 zero; `fn_cols`): 3 dots (B by
+    cp.async when num_stages ≥ 2, the last wgmma left in flight into the next chunk). `tma` (default
+    where `_tma_ready`: sm_90+ or the interpreter, 16-byte aligned rows) loads the 5 h/f tiles
+    through tensor descriptors, so Triton's pipeliner keeps them in flight in shared memory (the
+    copy engine, no address math in the loop; rows ≥ M and columns ≥ D arrive as zeros); without it
+    they are plain register loads, and `prefetch` can load the next chunk's tiles into registers
+    before this chunk's math. Defaults (the fastest of the H200 sweeps, 2026-11-30): with TMA
+    BLOCK_T 128, BLOCK_D 32, 8 warps, 3 stages, unsplit at 16K tokens — 0.561 ms at d = 5120 (71 %
+    of copy; 0.595 split in 3 with 24-column planes), against 0.70 with 2 stages, 0.65 at 64 tokens ×
+    4 warps × 2 stages, 0.88 at BLOCK_D 64 and 0.80 with TMA stores of h_new / x as well (not kept);
+    without TMA BLOCK_T 64, BLOCK_D 32, 4 warps, 3 stages — 0.74 ms (53 %), 0.95 with the register
+    prefetch; ``legacy`` 1.98 ms.
   * ``legacy`` (`_mhc_pass_kernel`, decode, the pass without hc_fn and the ``tf32x3`` / ``ieee``
     precisions): hc_fn fp32 tiles read from L2 per stream and split in registers, 4 × 3 small dots
     per chunk, serialized with the loads (20 % of copy with the projection at 16K tokens; it spills
@@ -54,7 +55,7 @@ costs 3 × 2·32·4·d = 3.9 MFLOP per token (64 GFLOP, ~0.1 ms of m64n32k16 wgm
 stream. The fused loop issues ~1,060 instructions per thread per 64 × 32 chunk (half of them the
 update's FMAs; ~66 per token·channel, ~40 % of the issue slots at the copy rate). The plane tiles are
 re-read from L2 by every token tile (128 × 2.9 MB = 0.37 GB of L2 traffic beside the 1.68 GB
-stream at 128-token tiles). Measured with TMA loads it reaches 68.6 % of copy (0.578 ms unsplit) — the
+stream at 128-token tiles). Measured with TMA loads it reaches 71 % of copy (0.557 ms, unsplit) — the
 main loop issues ~1,100 instructions per thread per 128 × 32 chunk (8 warps: ~2,200 issue cycles
 per SM for 80 KB moved; Nsight Compute: 34 % of issue slots busy) with one 40 KB h / f chunk in
 flight while it computes the other (two TMA buffers; the plane tiles are three deep). Its stalls
@@ -692,13 +693,15 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
 def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor | None, norm_eps: float,
              *, block_t: int | None = None, block_d: int | None = None, split: int | None = None,
              precision: str | None = None, num_warps: int | None = None, num_stages: int | None = None,
-             design: str | None = None, prefetch: bool = False, cat: int | None = None, fn_cols: int = 24,
+             design: str | None = None, prefetch: bool = False, cat: int | None = None, fn_cols: int = 32,
              tma: bool | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The Mega-mHC pass (see `ops.mhc_post`). Knobs: `design` (``fused`` | ``legacy``; None: fused from
     FUSED_MIN_TOKENS tokens with the ``split`` precision), BLOCK_T tokens × BLOCK_D channels per step,
     `split` d spans per token tile (None: `_plan`'s choice), `precision` of the projection (``split`` |
     ``tf32x3`` | ``ieee``); fused only: `prefetch` the next chunk's tiles into registers, `cat` (`CATS`;
-    None: CAT_DEFAULT) how the 4 streams meet the planes, `fn_cols` (24 | 32) columns of the planes,
+    None: CAT_DEFAULT) how the 4 streams meet the planes, `fn_cols` (24 | 32) columns of the planes
+    (32: 64-byte rows, the padding zero — 0.561 vs 0.579 ms for mhc_post, 0.256 vs 0.292 for mhc_mixes at
+    16K tokens × d = 5120, H200 sweep 2026-11-30),
     `tma` (h / f through tensor descriptors; None: bf16 streams wherever `_tma_ready` and the blocks are
     ≤ 256; True raises where it cannot). None block sizes / warps / stages take
     `DEFAULTS["fused_tma"]` with TMA, `DEFAULTS["stream"]` for legacy without hc_fn, else
@@ -719,7 +722,7 @@ def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_f
 def mhc_mixes(h: Tensor, hc_fn: Tensor, norm_eps: float, *, block_t: int | None = None, block_d: int | None = None,
               split: int | None = None, precision: str | None = None, num_warps: int | None = None,
               num_stages: int | None = None, design: str | None = None, prefetch: bool = False,
-              cat: int | None = None, fn_cols: int = 24, tma: bool | None = None) -> Tensor:
+              cat: int | None = None, fn_cols: int = 32, tma: bool | None = None) -> Tensor:
     """The coefficient projection of h alone (see `ops.mhc_mixes`): reads h once."""
     _require(hc_fn is not None, "mhc_mixes: hc_fn is required")
     _check_streams("mhc_mixes", h, hc_fn)
