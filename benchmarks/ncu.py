@@ -43,7 +43,8 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
 def find_ncu() -> str | None:
-    return shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.access(p, os.X_OK)), None)
+    """`ncu` on PATH, else CUDA's default install location."""
+    return shutil.which("ncu") or shutil.which("/usr/local/cuda/bin/ncu")
 
 
 def _number(text: str) -> float | None:
@@ -212,13 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         # the source page lists kernels in profiling order, without IDs: match by name, then by position
         rows = blocks.get(name) or (list(blocks.values())[i] if i < len(blocks) else [])
         src = summarize_source(rows, args.top)
-        m = {k: v for k, (v, _) in metrics.get(kernel, {}).items()}
-        report["kernels"].append(dict(kernel=name, metrics=m, units={k: u for k, (_, u) in
-                                                                       metrics.get(kernel, {}).items()}, **src))
+        got = metrics.get(kernel, {})
+        m, units = {k: v for k, (v, _) in got.items()}, {k: u for k, (_, u) in got.items()}
+        report["kernels"].append(dict(kernel=name, metrics=m, units=units, **src))
         print(f"== {name}")
         for k in DETAILS:
-            if k in m:
-                print(f"   {k:38s} {m[k]:>14,.2f} {metrics[kernel][k][1]}")
+            if m.get(k) is not None:
+                print(f"   {k:38s} {m[k]:>14,.2f} {units[k]}")
         if src["executed"]:
             print(f"   warp-instructions per {unit}: {src['executed'] / scale:,.2f}")
         print("   stalls (share of PC samples): " + ", ".join(f"{k} {v:.0%}" for k, v in

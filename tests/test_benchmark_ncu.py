@@ -95,3 +95,43 @@ def test_without_cuda_exit_2(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert ncu.main(["attention", "decode B=64"]) == 2
     assert "CUDA" in capsys.readouterr().err
+
+
+def test_report_joins_both_pages_per_kernel(tmp_path, monkeypatch, capsys):
+    """main() end to end with ncu replaced by canned pages: the JSON holds each kernel's details metrics and
+    its source-page summary, and the per-unit instruction count is the executed total over the case's work."""
+    import json
+    import subprocess
+    import types
+
+    import torch
+
+    rng = random.Random(5)
+    rows = {"_k": _random_rows(rng, 12), "_finish": _random_rows(rng, 5)}
+    buf = io.StringIO()
+    w = csv.writer(buf, quoting=csv.QUOTE_ALL)
+    w.writerow(["ID", "Kernel Name", "Section Name", "Metric Name", "Metric Unit", "Metric Value"])
+    w.writerow(["0", "_k", "SOL", "Duration", "us", "12.5"])
+    w.writerow(["1", "_finish", "SOL", "DRAM Throughput", "%", "n/a"])  # unparsable: reported as None
+    pages = {"details": buf.getvalue(), "source": "".join(_source_block(k, v) for k, v in rows.items())}
+
+    def fake_run(cmd, capture_output, text):
+        if "--import" not in cmd:  # the profiling run: leave a report behind
+            open(cmd[cmd.index("-o") + 1] + ".ncu-rep", "w").close()
+            return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+        return types.SimpleNamespace(returncode=0, stdout=pages[cmd[cmd.index("--page") + 1]], stderr="")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "test GPU")
+    monkeypatch.setattr(ncu, "find_ncu", lambda: "ncu")
+    monkeypatch.setattr(ncu, "_load_case", lambda family, name: dict(unit="byte", work=4e6))
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert ncu.main(["mhc", "some case", "--out", str(tmp_path)]) == 0
+    report = json.loads(next(tmp_path.glob("ncu-mhc-some-case-*.json")).read_text())
+    k, f = report["kernels"]
+    assert (k["kernel"], k["metrics"], k["units"]) == ("_k", {"Duration": 12.5}, {"Duration": "us"})
+    assert f["kernel"] == "_finish" and f["metrics"] == {"DRAM Throughput": None}
+    assert k["executed"] == sum(r["executed"] for r in rows["_k"])
+    assert f["samples"] == sum(r["samples"] for r in rows["_finish"])
+    out = capsys.readouterr().out
+    assert f"warp-instructions per KB moved: {k['executed'] / 4e3:,.2f}" in out

@@ -115,28 +115,36 @@ def _to_out(x, OUT_BF16: tl.constexpr, EXACT_CAST: tl.constexpr):
 
 
 @triton.jit
+def _split_dots(acc, a, b_hi, b_mid, b_lo, A_BF16: tl.constexpr, DOT: tl.constexpr):
+    """acc += a @ (b_hi + b_mid + b_lo) with bf16 MMAs, fp32-accurate (the module docstring's ``split``):
+    3 MMAs when a is exactly bf16, else a is split too and 6 keep every product down to 2^-24 relative."""
+    a_hi = a.to(tl.bfloat16)
+    if A_BF16:  # smallest terms first
+        acc = tl.dot(a_hi.to(DOT), b_lo.to(DOT), acc)
+        acc = tl.dot(a_hi.to(DOT), b_mid.to(DOT), acc)
+        acc = tl.dot(a_hi.to(DOT), b_hi.to(DOT), acc)
+    else:
+        ra = a - a_hi.to(tl.float32)
+        a_mid = ra.to(tl.bfloat16)
+        a_lo = (ra - a_mid.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(a_lo.to(DOT), b_hi.to(DOT), acc)
+        acc = tl.dot(a_mid.to(DOT), b_mid.to(DOT), acc)
+        acc = tl.dot(a_hi.to(DOT), b_lo.to(DOT), acc)
+        acc = tl.dot(a_mid.to(DOT), b_hi.to(DOT), acc)
+        acc = tl.dot(a_hi.to(DOT), b_mid.to(DOT), acc)
+        acc = tl.dot(a_hi.to(DOT), b_hi.to(DOT), acc)
+    return acc
+
+
+@triton.jit
 def _project(acc, a, b, PRECISION: tl.constexpr, A_BF16: tl.constexpr, DOT: tl.constexpr):
     """acc += a (BLOCK_T, BLOCK_D) @ b (BLOCK_D, KP) to fp32 accuracy (see the module docstring)."""
-    if PRECISION == "split":
+    if PRECISION == "split":  # b split in registers into three bf16 pieces, exactly
         b_hi = b.to(tl.bfloat16)
-        rb = b - b_hi.to(tl.float32)  # exact
+        rb = b - b_hi.to(tl.float32)
         b_mid = rb.to(tl.bfloat16)
         b_lo = (rb - b_mid.to(tl.float32)).to(tl.bfloat16)
-        a_hi = a.to(tl.bfloat16)
-        if A_BF16:  # a is exactly bf16: three MMAs, smallest terms first
-            acc = tl.dot(a_hi.to(DOT), b_lo.to(DOT), acc)
-            acc = tl.dot(a_hi.to(DOT), b_mid.to(DOT), acc)
-            acc = tl.dot(a_hi.to(DOT), b_hi.to(DOT), acc)
-        else:  # fp32 a: split it too, keep every product down to 2^-24 relative
-            ra = a - a_hi.to(tl.float32)
-            a_mid = ra.to(tl.bfloat16)
-            a_lo = (ra - a_mid.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(a_lo.to(DOT), b_hi.to(DOT), acc)
-            acc = tl.dot(a_mid.to(DOT), b_mid.to(DOT), acc)
-            acc = tl.dot(a_hi.to(DOT), b_lo.to(DOT), acc)
-            acc = tl.dot(a_mid.to(DOT), b_hi.to(DOT), acc)
-            acc = tl.dot(a_hi.to(DOT), b_mid.to(DOT), acc)
-            acc = tl.dot(a_hi.to(DOT), b_hi.to(DOT), acc)
+        acc = _split_dots(acc, a, b_hi, b_mid, b_lo, A_BF16, DOT)
     else:
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
@@ -311,27 +319,12 @@ def _cat4(a0, a1, a2, a3, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCKED:
 
 @triton.jit
 def _dot3(acc, a, w_ptr, w_off, w_ok, s_wp, A_BF16: tl.constexpr, DOT: tl.constexpr):
-    """acc += a @ (hi + mid + lo)[w_off] with bf16 MMAs, fp32-accurate (the module docstring's ``split``);
-    w_ok masks the planes' missing padding columns (KW = 24 < KP)."""
+    """acc += a @ (hi + mid + lo)[w_off] from the pre-split planes (`_split_dots`); w_ok masks the planes'
+    missing padding columns (KW = 24 < KP)."""
     b_lo = tl.load(w_ptr + 2 * s_wp + w_off, mask=w_ok, other=0.0)
     b_mid = tl.load(w_ptr + s_wp + w_off, mask=w_ok, other=0.0)
     b_hi = tl.load(w_ptr + w_off, mask=w_ok, other=0.0)
-    if A_BF16:  # a is exactly bf16 (its storage dtype): three MMAs, smallest terms first
-        acc = tl.dot(a.to(DOT), b_lo.to(DOT), acc)
-        acc = tl.dot(a.to(DOT), b_mid.to(DOT), acc)
-        acc = tl.dot(a.to(DOT), b_hi.to(DOT), acc)
-    else:  # fp32 a: split it too, keep every product down to 2^-24 relative
-        a_hi = a.to(tl.bfloat16)
-        ra = a - a_hi.to(tl.float32)
-        a_mid = ra.to(tl.bfloat16)
-        a_lo = (ra - a_mid.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(a_lo.to(DOT), b_hi.to(DOT), acc)
-        acc = tl.dot(a_mid.to(DOT), b_mid.to(DOT), acc)
-        acc = tl.dot(a_hi.to(DOT), b_lo.to(DOT), acc)
-        acc = tl.dot(a_mid.to(DOT), b_hi.to(DOT), acc)
-        acc = tl.dot(a_hi.to(DOT), b_mid.to(DOT), acc)
-        acc = tl.dot(a_hi.to(DOT), b_hi.to(DOT), acc)
-    return acc
+    return _split_dots(acc, a, b_hi, b_mid, b_lo, A_BF16, DOT)
 
 
 @triton.jit
