@@ -8,7 +8,7 @@ import torch
 from tests.conftest import engine_test_model
 
 from dsv41 import load_config
-from dsv41.engine.cache import CachePools, SequenceCache
+from dsv41.engine.cache import SequenceCache, private_pools
 from dsv41.engine.engine import Engine
 from dsv41.engine.prefill import prefill
 from dsv41.engine.runner import Runner
@@ -45,7 +45,7 @@ def test_batched_decode_of_three_lengths_equals_full_forward():
     runner = Runner(model)
     lengths = [7, 40, 101]
     seqs, refs, toks = [], [], []
-    pools = CachePools(model.config)  # one batch reads every sequence's pages through one pool
+    pools = private_pools(model.config, max_slots=3)  # one batch reads every sequence's pages through one pool
     for n in lengths:
         t = torch.randint(3, model.config.vocab_size, (1, n + 20))
         with torch.no_grad():
@@ -126,7 +126,7 @@ def test_packed_storage_dequantizes_bit_exactly_to_the_models_fake_quant():
         assert torch.equal(store.entries(), rec["kv"][0, :store.n_entries]), f"entries of layer {layer}"
     # and the quantizers themselves: stored → dequantized equals fake-quant on fresh data
     x = torch.randn(13, model.config.head_dim) * 3
-    store = seq.entry_stores[2].__class__(2, model.config.head_dim, model.config.index_head_dim, torch.device("cpu"))
+    store = SequenceCache(model.config).entry_stores[2]  # a fresh sequence's empty store
     store.append(x, x[:, :model.config.index_head_dim])
     assert torch.equal(store.entries(), fake_quant_kv_fp4(x))
     assert torch.equal(store.index_keys(), fake_quant_index_fp4(x[:, :model.config.index_head_dim]))
@@ -162,7 +162,7 @@ def test_sampling_is_reproducible_with_a_seed_and_stop_ids_end_requests():
 
 def test_bytes_per_token_is_measured_from_the_stored_rows():
     v41 = load_config("v41-flash")
-    cache = SequenceCache(v41, "cpu")  # pages are allocated lazily: cheap even at full size
+    cache = SequenceCache(v41, "cpu")  # small private pools: cheap even at full size
     assert cache.bytes_per_token() == 890
     tiny = SequenceCache(load_config("tiny"))
     # tiny: a 32-dim latent → 16 + 2 B, 32-dim index key → 16 + 1 B; sources at m=2 and m=1

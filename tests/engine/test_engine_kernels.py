@@ -14,7 +14,7 @@ import torch
 from tests.conftest import engine_test_model, randomize_mixing
 
 from dsv41 import load_config
-from dsv41.engine.cache import CachePools, SequenceCache
+from dsv41.engine.cache import SequenceCache, private_pools
 from dsv41.engine.prefill import prefill
 from dsv41.engine.runner import Runner
 from dsv41.kernels.ops import use_backend
@@ -24,7 +24,7 @@ from dsv41.model.transformer import Transformer
 def run(model, prompts: list[list[int]], steps: int, backend: str, exact: bool, device="cpu") -> list[torch.Tensor]:
     """Prefill each prompt, then `steps` batched decode steps feeding fixed tokens: every step's logits."""
     runner = Runner(model)
-    pools = CachePools(model.config, device)
+    pools = private_pools(model.config, device, max_slots=len(prompts))
     seqs = [SequenceCache(model.config, device, pools) for _ in prompts]
     out = []
     with use_backend(backend), torch.no_grad():

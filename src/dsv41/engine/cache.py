@@ -1,141 +1,124 @@
-"""Per-sequence KV cache in the report's storage formats: packed FP4 global KV, FP8 window rings.
+"""One sequence's view of the engine's fixed pools, in the report's storage formats.
 
-What one sequence keeps (SPEC §1a, §4):
+What one sequence keeps (SPEC §1a, §4), all inside the `BlockManager`'s pools:
   * for each kv-source (Full) layer, its compressed entries — main KV as FP4 E2M1 with an E4M3
     scale per 16 channels (256 + 32 = 288 B for 512 dims) and index keys as FP4 with an E8M0
-    scale per 32 (64 + 4 = 68 B for 128 dims) — in pages that grow with the sequence (nothing is
-    preallocated for a maximum length);
-  * the compressor's partial group (fp32 projections and gate scores of tokens whose group of m
-    has not completed yet);
-  * for every layer, a ring of `window_size` slots of window KV in FP8 E4M3 with a power-of-two
-    scale per 32 channels (512 + 16 = 528 B per slot);
-  * the last few token ids (Engram's n-gram history).
+    scale per 32 (64 + 4 = 68 B for 128 dims) — in pages it takes from the source's pool as it
+    grows (one page id holds `page_rows` main-KV rows and the same number of index-key rows);
+  * one slot: its FP8 window ring in every layer (E4M3 with a power-of-two scale per 32 channels,
+    512 + 16 = 528 B per slot) and the compressor's partial group of every ratio-m source;
+  * the token ids the caches cover (Engram's n-gram history, prefix keys).
 
-Bytes per token are measured from the stored rows: Σ over kv sources of row bytes / ratio — 890
-for the v41-flash shapes. Reads dequantize exactly to the model's fake-quant values.
+`SequenceCache` is a view: page ids, row counts and the slot id are host bookkeeping; the bytes
+are in the pools. Bytes per token are measured from the pools' rows: Σ over kv sources of row
+bytes / ratio — 890 for the v41-flash shapes. Reads dequantize exactly to the model's fake-quant.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator, MutableMapping
 
 import torch
 from torch import Tensor
 
 from dsv41.config import ModelConfig
-from dsv41.kernels.ref.cache_write import CACHE_LAYOUTS, dequantize_rows, quantize_rows
-from dsv41.plan import FULL, layer_plan
+from dsv41.engine.block_manager import PAGE_ROWS, BlockManager, OutOfPages, SourcePool, pages_for
+from dsv41.kernels.ref.cache_write import dequantize_rows, quantize_rows
 
-PAGE_ROWS = 256  # entries per page of the paged global-KV store
+__all__ = ["PAGE_ROWS", "BlockManager", "OutOfPages", "SequenceCache", "private_pools"]
+
+PRIVATE_MAX_TOKENS = 8192  # a lone SequenceCache (tests, tools) gets pools for this many tokens
 
 
-class RowPool:
-    """Pages of uint8 rows shared by the sequences of one engine, so one kernel launch can read
-    every sequence's rows through a page table. Grows by doubling; page ids stay valid."""
-
-    def __init__(self, row_bytes: int, device: torch.device, page_rows: int = PAGE_ROWS):
-        self.row_bytes, self.page_rows, self.device = row_bytes, page_rows, torch.device(device)
-        self.data = torch.empty(0, page_rows, row_bytes, dtype=torch.uint8, device=self.device)  # (P, R, bytes)
-        self._free: list[int] = []
-        self._used = 0  # pages ever handed out (the rest of `data` is spare capacity)
-
-    def alloc(self) -> int:
-        if self._free:
-            return self._free.pop()
-        if self._used == self.data.size(0):
-            grown = self.data.new_empty(max(4, 2 * self._used), self.page_rows, self.row_bytes)
-            grown[:self._used] = self.data
-            self.data = grown
-        self._used += 1
-        return self._used - 1
-
-    def release(self, page_ids: list[int]) -> None:
-        self._free.extend(page_ids)
-
-    @property
-    def rows(self) -> Tensor:
-        """All rows as one (P·R, row_bytes) tensor (what the kernels index)."""
-        return self.data.view(-1, self.row_bytes)
+def private_pools(config: ModelConfig, device: torch.device | str = "cpu", max_tokens: int | None = None,
+                  max_slots: int = 1) -> BlockManager:
+    """Small pools for sequences used outside an engine."""
+    n = max_tokens or min(config.max_seq_len, PRIVATE_MAX_TOKENS)
+    return BlockManager(config, device, max_slots=max_slots, max_tokens=n * max_slots, max_seq_len=n)
 
 
 class PagedRows:
-    """One sequence's append-only rows, stored in pages of a (possibly shared) `RowPool`."""
+    """One sequence's append-only rows of one pool kind ("kv" or "index") of one kv source. The
+    page list is shared with the other kind of the same source (one page id holds both)."""
 
-    def __init__(self, row_bytes: int, device: torch.device, page_rows: int = PAGE_ROWS, pool: RowPool | None = None):
-        self.pool = pool if pool is not None else RowPool(row_bytes, device, page_rows)
-        if self.pool.row_bytes != row_bytes:
-            raise ValueError(f"PagedRows: pool rows are {self.pool.row_bytes} B, expected {row_bytes}")
-        self.row_bytes, self.page_rows, self.device = row_bytes, self.pool.page_rows, self.pool.device
-        self.page_ids: list[int] = []
+    def __init__(self, cache: SequenceCache, layer_id: int, kind: str):
+        self.cache, self.layer_id, self.kind = cache, layer_id, kind
         self.n_rows = 0
-        self._table: Tensor | None = None
+
+    @property
+    def source(self) -> SourcePool:
+        return self.cache.pools.sources[self.layer_id]
+
+    @property
+    def rows(self) -> Tensor:
+        """The whole pool as (P·R, bytes) rows."""
+        return self.source.kv_rows if self.kind == "kv" else self.source.index_rows
+
+    @property
+    def row_bytes(self) -> int:
+        return self.rows.size(1)
+
+    @property
+    def page_rows(self) -> int:
+        return self.source.page_rows
+
+    @property
+    def page_ids(self) -> list[int]:
+        return self.cache.pages[self.layer_id]
 
     def reserve(self, n: int) -> list[int]:
-        """Claim the next n rows (allocating pages) and return their pool row ids (host ints: the
-        engine gathers a whole batch's ids into one tensor)."""
-        need = -(-(self.n_rows + n) // self.page_rows)
-        while len(self.page_ids) < need:
-            self.page_ids.append(self.pool.alloc())
-            self._table = None
-        first, R = self.n_rows, self.page_rows
+        """Claim the next n rows (taking pages as needed) and return their pool row ids."""
+        first = self.n_rows
+        self.cache.ensure_pages(self.layer_id, first + n)
         self.n_rows += n
-        return [self.page_ids[i // R] * R + i % R for i in range(first, first + n)]
+        R, pages = self.page_rows, self.page_ids
+        return [pages[i // R] * R + i % R for i in range(first, first + n)]
 
     def row_ids(self, index: Tensor) -> Tensor:
         """Pool row ids of logical rows `index` (any shape, all valid)."""
-        return self.page_table().long()[index // self.page_rows] * self.page_rows + index % self.page_rows
+        table = torch.tensor(self.page_ids, dtype=torch.long, device=index.device)
+        return table[index // self.page_rows] * self.page_rows + index % self.page_rows
 
     def append(self, rows: Tensor) -> None:
         """rows: (n, row_bytes) uint8."""
         if rows.size(0):
-            ids = torch.tensor(self.reserve(rows.size(0)), device=self.device)  # may grow the pool
-            self.pool.rows[ids] = rows.to(self.device)
+            ids = torch.tensor(self.reserve(rows.size(0)), device=self.rows.device)
+            self.rows[ids] = rows.to(self.rows.device)
 
     def read(self, start: int = 0, end: int | None = None) -> Tensor:
         """Rows [start, end) as one (n, row_bytes) tensor."""
         end = self.n_rows if end is None else end
         if end <= start:
-            return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.device)
-        return self.gather(torch.arange(start, end, device=self.device))
+            return torch.empty(0, self.row_bytes, dtype=torch.uint8, device=self.rows.device)
+        return self.gather(torch.arange(start, end, device=self.rows.device))
 
     def gather(self, index: Tensor) -> Tensor:
         """Rows at arbitrary indices (any shape, all valid) → index.shape + (row_bytes,)."""
-        return self.pool.rows[self.row_ids(index.reshape(-1))].view(*index.shape, self.row_bytes)
-
-    def page_table(self) -> Tensor:
-        """(n_pages,) int32 pool page ids, cached on the device until a page is added."""
-        if self._table is None:
-            self._table = torch.tensor(self.page_ids, dtype=torch.int32, device=self.device)
-        return self._table
-
-    def release(self) -> None:
-        """Give the pages back to the pool (the rows are gone)."""
-        self.pool.release(self.page_ids)
-        self.page_ids, self.n_rows, self._table = [], 0, None
+        return self.rows[self.row_ids(index.reshape(-1))].view(*index.shape, self.row_bytes)
 
 
-@dataclass
 class EntryStore:
-    """The packed compressed entries and index keys of one kv-source layer."""
+    """The packed compressed entries and index keys of one kv-source layer of one sequence."""
 
-    ratio: int
-    head_dim: int
-    index_head_dim: int
-    device: torch.device
-    kv_pool: RowPool | None = None  # shared pools (engine); private ones when None
-    index_pool: RowPool | None = None
-    kv: PagedRows = field(init=False)
-    index_k: PagedRows = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.kv_bytes = CACHE_LAYOUTS["kv_fp4"].row_bytes(self.head_dim)
-        self.index_bytes = CACHE_LAYOUTS["index_fp4"].row_bytes(self.index_head_dim)
-        self.kv = PagedRows(self.kv_bytes, self.device, pool=self.kv_pool)
-        self.index_k = PagedRows(self.index_bytes, self.device, pool=self.index_pool)
+    def __init__(self, cache: SequenceCache, layer_id: int):
+        c = cache.config
+        self.layer_id = layer_id
+        self.ratio = cache.pools.sources[layer_id].ratio
+        self.head_dim, self.index_head_dim = c.head_dim, c.index_head_dim
+        self.kv = PagedRows(cache, layer_id, "kv")
+        self.index_k = PagedRows(cache, layer_id, "index")
 
     @property
     def n_entries(self) -> int:
         return self.kv.n_rows
+
+    def reserve(self, n: int) -> list[int]:
+        """Rows for n new entries in both pools (the same ids: one page id holds both kinds)."""
+        if self.kv.n_rows != self.index_k.n_rows:
+            raise RuntimeError(f"kv source {self.layer_id}: {self.kv.n_rows} entries but "
+                               f"{self.index_k.n_rows} index keys")
+        self.index_k.reserve(n)
+        return self.kv.reserve(n)
 
     def append(self, entries: Tensor, index_keys: Tensor) -> None:
         """entries (n, head_dim), index_keys (n, index_head_dim) in float → packed rows."""
@@ -153,84 +136,47 @@ class EntryStore:
     def bytes_per_entry(self) -> int:
         return self.kv.row_bytes + self.index_k.row_bytes
 
-    def release(self) -> None:
-        self.kv.release()
-        self.index_k.release()
-
-
-class RingPool:
-    """Window rings of every layer for many sequences: rows (L, S, W, D + D/32) uint8 (E4M3 values,
-    then E8M0 scales) and positions (L, S, W) (−1 = empty). A sequence owns one slot s in all
-    layers, so one tensor of slot ids serves every layer's kernel call."""
-
-    def __init__(self, n_layers: int, window: int, head_dim: int, device: torch.device):
-        self.n_layers, self.window, self.head_dim = n_layers, window, head_dim
-        self.row_bytes = CACHE_LAYOUTS["window_fp8"].row_bytes(head_dim)
-        self.device = torch.device(device)
-        self.rows = torch.empty(n_layers, 0, window, self.row_bytes, dtype=torch.uint8, device=self.device)
-        self.positions = torch.empty(n_layers, 0, window, dtype=torch.long, device=self.device)
-        self._free: list[int] = []
-        self._used = 0
-
-    def alloc(self) -> int:
-        if self._free:
-            slot = self._free.pop()
-        else:
-            if self._used == self.rows.size(1):
-                n = max(2, 2 * self._used)
-                rows = self.rows.new_zeros(self.n_layers, n, self.window, self.row_bytes)
-                rows[:, :self._used] = self.rows
-                positions = self.positions.new_full((self.n_layers, n, self.window), -1)
-                positions[:, :self._used] = self.positions
-                self.rows, self.positions = rows, positions
-            slot, self._used = self._used, self._used + 1
-        self.positions[:, slot] = -1
-        return slot
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
-
 
 class WindowRing:
-    """One layer's ring of one sequence: `window` slots of FP8 window KV; slot = position % window.
-    A view into a `RingPool` (rows are re-read from the pool, which may grow)."""
+    """One layer's ring of one sequence: `window` slots of FP8 window KV; slot = position % window."""
 
-    def __init__(self, window: int, head_dim: int, device: torch.device, pool: RingPool | None = None,
-                 layer: int = 0, slot: int | None = None):
-        self.window, self.head_dim = window, head_dim
-        self.pool = pool if pool is not None else RingPool(1, window, head_dim, device)
-        self.layer = layer
-        self.slot = self.pool.alloc() if slot is None else slot
+    def __init__(self, cache: SequenceCache, layer: int):
+        self.cache, self.layer = cache, layer
+        self.window, self.head_dim = cache.config.window_size, cache.config.head_dim
+
+    @property
+    def _rows(self) -> Tensor:
+        return self.cache.pools.ring_rows[self.layer, self.cache.slot]  # (W, bytes)
 
     @property
     def values(self) -> Tensor:
-        return self.pool.rows[self.layer, self.slot, :, :self.head_dim]
+        return self._rows[:, :self.head_dim]
 
     @property
     def scales(self) -> Tensor:
-        return self.pool.rows[self.layer, self.slot, :, self.head_dim:]
+        return self._rows[:, self.head_dim:]
 
     @property
     def positions(self) -> Tensor:
-        return self.pool.positions[self.layer, self.slot]
+        return self.cache.pools.ring_positions[self.layer, self.cache.slot]
 
     def write(self, kv: Tensor, positions: Tensor) -> None:
         """kv (n, head_dim) float at absolute positions (n,); only the last `window` matter."""
         kv, positions = kv[-self.window:], positions[-self.window:]
         slots = positions % self.window
-        self.pool.rows[self.layer, self.slot, slots] = quantize_rows(kv, "window_fp8")
+        self._rows[slots] = quantize_rows(kv, "window_fp8")
         self.positions[slots] = positions
 
     def read(self) -> tuple[Tensor, Tensor]:
         """(window, head_dim) float KV and (window,) positions (-1 = empty)."""
-        return dequantize_rows(self.pool.rows[self.layer, self.slot], "window_fp8", self.head_dim), self.positions
+        return dequantize_rows(self._rows, "window_fp8", self.head_dim), self.positions
 
     def clear(self) -> None:
         self.positions.fill_(-1)
 
     @property
     def slot_bytes(self) -> int:
-        return self.pool.row_bytes
+        return self.cache.pools.ring_bytes
 
     def state(self) -> dict[str, Tensor]:
         """Copies of values, scales and positions (a snapshot that later writes do not change)."""
@@ -242,43 +188,94 @@ class WindowRing:
         self.positions.copy_(state["positions"])
 
 
-class CachePools:
-    """The storage every sequence of one engine draws from (entry pages per kv source, ring slots)."""
+class PendingGroups(MutableMapping):
+    """layer_id → (kv, score) fp32 (r, D) of the tokens of a ratio-m source's unfinished group,
+    oldest first, r = n_tokens % m. Stored in the slot's rows of the source's partial-group pool
+    (the runner writes them there on the device; this view reads and restores them)."""
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu"):
-        c = config
-        self.device = torch.device(device)
-        self.plans = layer_plan(c)
-        kv_bytes = CACHE_LAYOUTS["kv_fp4"].row_bytes(c.head_dim)
-        index_bytes = CACHE_LAYOUTS["index_fp4"].row_bytes(c.index_head_dim)
-        self.kv = {p.layer_id: RowPool(kv_bytes, self.device) for p in self.plans if p.mode == FULL}
-        self.index = {p.layer_id: RowPool(index_bytes, self.device) for p in self.plans if p.mode == FULL}
-        self.rings = RingPool(c.n_layers, c.window_size, c.head_dim, self.device)
+    def __init__(self, cache: SequenceCache):
+        self.cache = cache
+
+    def _pool(self, layer_id: int) -> SourcePool:
+        p = self.cache.pools.sources.get(layer_id)
+        if p is None or p.pending_kv is None:
+            raise KeyError(layer_id)
+        return p
+
+    def __getitem__(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        p = self._pool(layer_id)
+        r = self.cache.n_tokens % p.ratio
+        if not r:
+            raise KeyError(layer_id)
+        s = self.cache.slot
+        return p.pending_kv[s, :r], p.pending_score[s, :r]
+
+    def __setitem__(self, layer_id: int, value: tuple[Tensor, Tensor]) -> None:
+        """Restore a partial group (the sequence's token count must end up ≡ r mod m)."""
+        kv, score = value
+        p, s = self._pool(layer_id), self.cache.slot
+        r = kv.size(0)
+        if r >= p.ratio or score.shape != kv.shape:
+            raise ValueError(f"partial group of source {layer_id}: {r} rows for ratio {p.ratio}")
+        p.pending_kv[s, :r] = kv.to(p.pending_kv.device)
+        p.pending_score[s, :r] = score.to(p.pending_score.device)
+
+    def __delitem__(self, layer_id: int) -> None:
+        raise TypeError("a partial group ends when its group completes; it cannot be deleted")
+
+    def _live(self) -> list[int]:
+        return [s for s, p in self.cache.pools.sources.items()
+                if p.pending_kv is not None and self.cache.n_tokens % p.ratio]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._live())
+
+    def __len__(self) -> int:
+        return len(self._live())
 
 
 class SequenceCache:
-    """Everything one sequence needs to continue decoding. Sequences that run in one batch must
-    share `pools` (an engine passes its own; a lone sequence gets private ones)."""
+    """Everything one sequence needs to continue decoding, as a view of shared pools. Sequences
+    that run in one batch must share `pools` (an engine passes its own; a lone sequence gets
+    small private ones)."""
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", pools: CachePools | None = None):
-        self.config = c = config
-        self.device = torch.device(device)
-        self.pools = pools if pools is not None else CachePools(c, self.device)
-        self.plans = layer_plan(c)
-        self.entry_stores: dict[int, EntryStore] = {
-            p.layer_id: EntryStore(p.ratio, c.head_dim, c.index_head_dim, self.device,
-                                   self.pools.kv[p.layer_id], self.pools.index[p.layer_id])
-            for p in self.plans if p.mode == FULL
-        }
-        self.ring_slot = self.pools.rings.alloc()
-        self.windows = [WindowRing(c.window_size, c.head_dim, self.device, self.pools.rings, i, self.ring_slot)
-                        for i in range(c.n_layers)]
-        # compressor partial groups of m > 1 sources: fp32 projections / gate scores, oldest first
-        self.pending: dict[int, tuple[Tensor, Tensor]] = {}
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
+                 pools: BlockManager | None = None):
+        self.config = config
+        if pools is None:
+            pools = private_pools(config, device or "cpu")
+        self.pools = pools
+        self.device = pools.device
+        self.slot = pools.alloc_slot()
+        self.pages: dict[int, list[int]] = {s: [] for s in pools.sources}
+        self.entry_stores: dict[int, EntryStore] = {s: EntryStore(self, s) for s in pools.sources}
+        self.windows = [WindowRing(self, i) for i in range(config.n_layers)]
+        self.pending = PendingGroups(self)
         self.tokens: list[int] = []  # every token id the caches cover (prompt + generated)
         self.persisted: tuple[int, bytes | None] = (0, None)  # prefix units stored: (end, key of the last)
         self.released = False
 
+    # ------------------------------------------------------------------ pages
+    def ensure_pages(self, layer_id: int, n_rows: int) -> None:
+        """Take pages from the pool until rows [0, n_rows) of `layer_id` have a home."""
+        pages = self.pages[layer_id]
+        need = pages_for(n_rows, self.pools.page_rows)
+        if need <= len(pages):
+            return
+        added = []
+        try:
+            while len(pages) + len(added) < need:
+                added.append(self.pools.alloc_page(layer_id))
+            self.pools.set_table(layer_id, self.slot, pages + added)
+        except OutOfPages:
+            self.pools.free_page_ids(layer_id, added)
+            raise
+        pages.extend(added)
+
+    def pages_held(self) -> dict[int, int]:
+        return {s: len(p) for s, p in self.pages.items()}
+
+    # ------------------------------------------------------------------ sizes
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
@@ -298,10 +295,52 @@ class SequenceCache:
         for i in layers if layers is not None else range(len(self.windows)):
             self.windows[i].clear()
 
-    def release(self) -> None:
-        """Return pages and the ring slot to the pools; the cache is unusable afterwards."""
+    # ------------------------------------------------------------------ preemption (swap)
+    def swap_out(self) -> dict[str, Tensor]:
+        """Copy everything the pools hold for this sequence to the host and release the pools
+        (bit-exact: `swap_in` restores the same bytes)."""
+        state: dict[str, Tensor] = {
+            "ring_rows": self.pools.ring_rows[:, self.slot].cpu(),
+            "ring_positions": self.pools.ring_positions[:, self.slot].cpu(),
+        }
+        for s, store in self.entry_stores.items():
+            state[f"{s}.kv"] = store.kv.read().cpu()
+            state[f"{s}.index_k"] = store.index_k.read().cpu()
+            p = self.pools.sources[s]
+            if p.pending_kv is not None:
+                state[f"{s}.pending_kv"] = p.pending_kv[self.slot].cpu()
+                state[f"{s}.pending_score"] = p.pending_score[self.slot].cpu()
+        self.release()
+        return state
+
+    def swap_in(self, state: dict[str, Tensor]) -> None:
+        """Take a slot and pages again and restore a `swap_out` state."""
         if not self.released:
-            for store in self.entry_stores.values():
-                store.release()
-            self.pools.rings.release(self.ring_slot)
+            raise RuntimeError("swap_in: the cache still holds its pools")
+        self.slot = self.pools.alloc_slot()
+        self.released = False
+        self.pages = {s: [] for s in self.pools.sources}
+        try:
+            for s, store in self.entry_stores.items():
+                store.kv.n_rows = store.index_k.n_rows = 0
+                store.kv.append(state[f"{s}.kv"])
+                store.index_k.append(state[f"{s}.index_k"])
+                p = self.pools.sources[s]
+                if p.pending_kv is not None:
+                    p.pending_kv[self.slot] = state[f"{s}.pending_kv"].to(self.device)
+                    p.pending_score[self.slot] = state[f"{s}.pending_score"].to(self.device)
+        except OutOfPages:
+            self.release()
+            raise
+        self.pools.ring_rows[:, self.slot] = state["ring_rows"].to(self.device)
+        self.pools.ring_positions[:, self.slot] = state["ring_positions"].to(self.device)
+
+    def release(self) -> None:
+        """Return pages and the slot to the pools; the cache is unusable until `swap_in`."""
+        if not self.released:
+            for s, pages in self.pages.items():
+                self.pools.free_page_ids(s, pages)
+                self.pools.set_table(s, self.slot, [])
+            self.pages = {s: [] for s in self.pools.sources}
+            self.pools.free_slot(self.slot)
             self.released = True

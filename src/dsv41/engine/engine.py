@@ -1,178 +1,286 @@
-"""Engine: requests in, tokens out — prefill, batched decode and sampling over per-sequence caches.
+"""Engine: requests in, tokens out — `step()` = schedule → run → sample / postprocess.
 
 The engine speaks token ids (tokenization happens at the edges). `generate` is the simple API;
-`add_request` + `step` is what a scheduler or server drives: each step prefills the requests that
-just arrived (one at a time, chunked) and then advances every running request by one token in a
-single batched decode over sequences of different lengths.
+`add_request` + `step` is what a server drives. Each step (`engine/scheduler.py` decides):
+  1. one batched decode token for every running sequence past its prefill — the static decode
+     step over the fixed pools, replayed from a CUDA graph on GPUs (`engine/graphs.py`), eager
+     elsewhere;
+  2. prefill pieces (encoder chunks, decoder bounded replay) of sequences still prefilling and of
+     newly admitted ones, within the step's token budget (`engine/prefill.py: PrefillJob`);
+  3. sampling, stop checks, and the end of finished requests (prefix cache save, pages freed).
+Every pool is allocated once (`BlockManager`); running out of pages preempts the newest sequence
+to host memory (bit-exact swap) instead of reserving worst-case memory up front.
+A request that fails alone (a sampler error, say) finishes with `error` set; the others go on.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from dsv41.engine.cache import CachePools, SequenceCache
-from dsv41.engine.prefill import prefill
+from dsv41.engine.block_manager import PAGE_ROWS, BlockManager
+from dsv41.engine.cache import SequenceCache
+from dsv41.engine.graphs import DecodeGraphs
+from dsv41.engine.prefill import PrefillJob
 from dsv41.engine.prefix import PrefixCache
-from dsv41.engine.runner import Runner
+from dsv41.engine.runner import DecodeIO, Runner
 from dsv41.engine.sampling import SamplingParams, make_generator, sample
+from dsv41.engine.scheduler import Scheduler
+from dsv41.engine.sequence import Sequence, SequenceStatus
 from dsv41.model.transformer import Transformer
 
+log = logging.getLogger(__name__)
 
-@dataclass
-class Request:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    exact_prefill: bool = False
-    cache: SequenceCache | None = None
-    output: list[int] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    generator: torch.Generator | None = None
-    next_token: int | None = None  # sampled, not yet run through the model
-    prefill_ms: float = 0.0
-    decode_s: float = 0.0
-    cached_tokens: int = 0  # prompt tokens whose state came from the prefix cache
-    replayed_tokens: int = 0  # cached tokens run through the encoder again (window rebuild)
+Request = Sequence  # the name earlier versions used
 
 
 @dataclass
 class StepOutput:
-    request: Request
+    request: Sequence
     token: int | None  # the token emitted this step (None when a stop id ended the request)
     finished: bool
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    prefill_pieces: int = 0
+    prefill_tokens: int = 0
+    preemptions: int = 0
+    failures: int = 0
+    extra: dict = field(default_factory=dict)
 
 
 class Engine:
     def __init__(self, model: Transformer, *, prefill_chunk: int = 2048, max_batch: int = 64,
-                 exact_prefill: bool = False, prefix_cache: PrefixCache | None = None):
+                 token_budget: int | None = None, exact_prefill: bool = False,
+                 prefix_cache: PrefixCache | None = None, max_seq_len: int | None = None,
+                 max_tokens: int | None = None, cuda_graphs: bool | None = None, graph_min_entries: int = 1024,
+                 page_rows: int = PAGE_ROWS):
+        """max_seq_len bounds one sequence (default: the config's); max_tokens sizes the global-KV
+        pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
+        max_seq_len); token_budget = tokens per step (default prefill_chunk + max_batch);
+        cuda_graphs: replay decode steps from CUDA graphs (default: on CUDA devices); page_rows =
+        entries per page of the global-KV pools."""
         self.model = model.eval()
-        self.config = model.config
+        self.config = c = model.config
         self.device = next(model.parameters()).device
-        self.runner = Runner(model)
         self.prefill_chunk, self.max_batch, self.exact_prefill = prefill_chunk, max_batch, exact_prefill
         self.prefix_cache = prefix_cache
-        self.pools = CachePools(self.config, self.device)  # every running sequence's pages and ring slot
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
+        self.max_seq_len = int(max_seq_len or c.max_seq_len)
+        max_tokens = max_tokens or max(self.max_seq_len, min(self.max_seq_len * max_batch, 1 << 20))
+        self.pools = BlockManager(c, self.device, max_slots=max_batch, max_tokens=max(max_tokens, self.max_seq_len),
+                                  max_seq_len=self.max_seq_len, page_rows=page_rows)
+        self.runner = Runner(model, self.pools)
+        self.io = DecodeIO(c, self.pools, max_batch)
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = DecodeGraphs(self.runner, self.io, min_entries=graph_min_entries) if use_graphs else None
+        self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch)
+        self.stats = EngineStats()
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ request API
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return list(self.scheduler.waiting)
+
     def add_request(self, prompt: list[int], params: SamplingParams | None = None,
-                    exact_prefill: bool | None = None) -> Request:
+                    exact_prefill: bool | None = None) -> Sequence:
         if not prompt:
             raise ValueError("prompt must hold at least one token")
         bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if len(prompt) >= self.max_seq_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_seq_len={self.max_seq_len}")
         params = params or SamplingParams()
-        req = Request(next(self._ids), list(prompt), params,
-                      self.exact_prefill if exact_prefill is None else exact_prefill,
-                      generator=make_generator(params.seed, self.device))
-        self.waiting.append(req)
-        return req
+        seq = Sequence(next(self._ids), list(prompt), params,
+                       self.exact_prefill if exact_prefill is None else exact_prefill,
+                       generator=make_generator(params.seed, self.device))
+        self.scheduler.add(seq)
+        return seq
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        """Prefill every waiting request, then one batched decode step for the running ones."""
+        """One engine step: the scheduled decode batch, then the scheduled prefill pieces."""
+        batch = self.scheduler.schedule()
+        self.stats.steps += 1
+        self.stats.preemptions += len(batch.preempted)
         outputs: list[StepOutput] = []
-        decoding = [r for r in self.running if not r.finished]
-        while self.waiting and len(self.running) < self.max_batch:
-            req = self.waiting.pop(0)
+        if batch.decode:
             t0 = time.perf_counter()
-            logits = self._prefill(req)
-            req.prefill_ms = (time.perf_counter() - t0) * 1e3
-            outputs.extend(self._emit([req], logits.unsqueeze(0)))
-            if not req.finished:
-                self.running.append(req)
-        if decoding:
-            t0 = time.perf_counter()
-            logits = self.decode(decoding)
+            logits = self._decode(batch.decode)
+            outputs.extend(self._emit(batch.decode, logits))
             dt = time.perf_counter() - t0
-            for req in decoding:
-                req.decode_s += dt / len(decoding)
-            outputs.extend(self._emit(decoding, logits))
-        self.running = [r for r in self.running if not r.finished]
+            for seq in batch.decode:
+                seq.decode_s += dt / len(batch.decode)
+        for seq, n in batch.prefill:
+            t0 = time.perf_counter()
+            try:
+                logits = seq.job.step(n)
+            except Exception as err:  # noqa: BLE001 - one request's failure must not stop the batch
+                log.exception("prefill of request %d failed", seq.id)
+                outputs.append(self._fail(seq, f"prefill failed: {err}"))
+                continue
+            seq.prefill_ms += (time.perf_counter() - t0) * 1e3
+            self.stats.prefill_pieces += 1
+            self.stats.prefill_tokens += n
+            if logits is not None:
+                seq.job = None
+                if self.prefix_cache is not None and not seq.exact_prefill:
+                    self.prefix_cache.save(seq.cache, ends=[len(seq.prompt)])
+                outputs.extend(self._emit([seq], logits.unsqueeze(0)))
         return outputs
 
-    def _prefill(self, req: Request) -> Tensor:
-        """Prefill one request, resuming from the prefix cache when its prompt extends a stored prefix."""
-        req.cache = seq = SequenceCache(self.config, self.device, self.pools)
-        use_cache = self.prefix_cache is not None and not req.exact_prefill
-        resume = self.prefix_cache.resume(seq, req.prompt) if use_cache else None
-        if resume is None:
-            logits = prefill(self.runner, seq, req.prompt, chunk=self.prefill_chunk, exact=req.exact_prefill)
-        else:
-            req.cached_tokens, req.replayed_tokens = resume.cached_tokens, resume.encoder_replay
-            logits = prefill(self.runner, seq, req.prompt[resume.cached_tokens:], chunk=self.prefill_chunk,
-                             encoder_replay=resume.encoder_replay, decoder_windows_valid=resume.exact)
-        if use_cache:
-            self.prefix_cache.save(seq, ends=[len(req.prompt)])
-        return logits
-
-    def _finish(self, req: Request) -> None:
-        """Output end: persist the conversation's units and its window snapshot."""
-        if self.prefix_cache is not None and not req.exact_prefill and req.cache is not None:
-            self.prefix_cache.save(req.cache, ends=[req.cache.n_tokens])
-        if req.cache is not None:
-            req.cache.release()
-
-    def abort(self, req: Request) -> None:
+    def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is (client gone): nothing is persisted, its cache is freed."""
-        req.finished = True
-        req.finish_reason = req.finish_reason or "cancelled"
-        for queue in (self.running, self.waiting):
-            if req in queue:
-                queue.remove(req)
-        if req.cache is not None:
-            req.cache.release()
+        seq.finish_reason = seq.finish_reason or "cancelled"
+        self._retire(seq)
 
     def metrics(self) -> dict:
         return self.prefix_cache.metrics() if self.prefix_cache is not None else {}
 
-    def decode(self, reqs: list[Request]) -> Tensor:
-        """Run each request's pending token through all layers at once: logits (B, vocab)."""
-        seqs = [r.cache for r in reqs]
-        tokens = torch.tensor([[r.next_token] for r in reqs], device=self.device)
-        start = torch.tensor([s.n_tokens for s in seqs], device=self.device)
-        h, pre_mix = self.runner.forward(seqs, tokens, start, range(self.config.n_layers))
-        for r in reqs:
-            r.cache.tokens.append(r.next_token)
-        return self.runner.logits(h, pre_mix)
+    # ------------------------------------------------------------------ capacity (the scheduler's view)
+    def can_admit(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
+        pools = self.pools
+        if pools.free_slots == 0:
+            return False
+        if seq.swapped is not None:
+            target = seq.cache.n_tokens + 1
+        else:
+            target = len(seq.prompt) + 1
+        need = pools.pages_needed(target)
+        for other in prefilling:  # pages the running prefills will still take
+            for s, n in pools.pages_needed(other.target_tokens(), other.cache.pages_held()).items():
+                need[s] += n
+        return all(n <= pools.free_pages(s) for s, n in need.items())
 
-    def _emit(self, reqs: list[Request], logits: Tensor) -> list[StepOutput]:
-        """Sample one token per request from logits (B, vocab) — one call, each row with its own
-        parameters and generator — and record it."""
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+    def can_grow(self, seq: Sequence, n_tokens: int) -> bool:
+        return self.pools.can_allocate(seq.num_cached_tokens + n_tokens, seq.cache.pages_held())
+
+    def admit(self, seq: Sequence) -> None:
+        """Give a sequence its slot: swap a preempted one back in, or start a new one's prefill
+        (resuming from the prefix cache when its prompt extends a stored prefix)."""
+        if seq.swapped is not None:
+            seq.cache.swap_in(seq.swapped)
+            seq.swapped = None
+            return
+        seq.cache = cache = SequenceCache(self.config, pools=self.pools)
+        use_cache = self.prefix_cache is not None and not seq.exact_prefill
+        resume = self.prefix_cache.resume(cache, seq.prompt) if use_cache else None
+        if resume is None:
+            seq.job = PrefillJob(self.runner, cache, seq.prompt, chunk=self.prefill_chunk, exact=seq.exact_prefill)
+        else:
+            seq.cached_tokens, seq.replayed_tokens = resume.cached_tokens, resume.encoder_replay
+            seq.job = PrefillJob(self.runner, cache, seq.prompt[resume.cached_tokens:], chunk=self.prefill_chunk,
+                                 encoder_replay=resume.encoder_replay, decoder_windows_valid=resume.exact)
+
+    def preempt(self, seq: Sequence) -> None:
+        seq.swapped = seq.cache.swap_out()
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, seqs: list[Sequence]) -> Tensor:
+        """Run each sequence's pending token through all layers at once: logits (B, vocab)."""
+        io, B = self.io, len(seqs)
+        for b, seq in enumerate(seqs):
+            io.fill(b, seq.cache, seq.next_token)
+        n_entries = io.max_entries(B)
+        if self.graphs is not None:
+            Bb, n_max = self.graphs.shape(B, n_entries)
+            io.pad(B, Bb)
+            io.send()
+            logits = self.graphs.run(B, n_max)
+        else:
+            io.send()
+            logits = self.runner.decode(io, B, n_entries)
+        for seq in seqs:
+            seq.cache.tokens.append(seq.next_token)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += B
+        return logits
+
+    # ------------------------------------------------------------------ sampling and finishing
+    def _emit(self, seqs: list[Sequence], logits: Tensor) -> list[StepOutput]:
+        """Sample one token per sequence from logits (B, vocab) — one call, each row with its own
+        parameters and generator — and record it. A row whose sampling fails fails alone."""
+        tokens: list[int | None]
+        try:
+            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        except Exception:  # noqa: BLE001 - find the row(s) at fault, keep the others
+            tokens = []
+            for i, seq in enumerate(seqs):
+                try:
+                    tokens.append(int(sample(logits[i:i + 1], [seq.params], [seq.generator])[0]))
+                except Exception as err:  # noqa: BLE001
+                    log.exception("sampling for request %d failed", seq.id)
+                    tokens.append(None)
+                    seq.error = f"sampling failed: {err}"
         outputs = []
-        for req, token in zip(reqs, tokens):
-            if token in req.params.stop_token_ids:
-                req.finished, req.finish_reason = True, "stop"
-                self._finish(req)
-                outputs.append(StepOutput(req, None, True))
+        for seq, token in zip(seqs, tokens):
+            if token is None:
+                outputs.append(self._fail(seq, seq.error))
                 continue
-            req.output.append(token)
-            req.next_token = token
-            if len(req.output) >= req.params.max_tokens:
-                req.finished, req.finish_reason = True, "length"
-                self._finish(req)
-            outputs.append(StepOutput(req, token, req.finished))
+            if token in seq.params.stop_token_ids:
+                seq.finish_reason = "stop"
+                self._finish(seq)
+                outputs.append(StepOutput(seq, None, True))
+                continue
+            seq.output.append(token)
+            seq.next_token = token
+            if len(seq.output) >= seq.params.max_tokens:
+                seq.finish_reason = "length"
+            elif seq.num_cached_tokens + 1 >= self.max_seq_len:
+                seq.finish_reason = "length"  # the next token would not fit the context
+            if seq.finish_reason is not None:
+                self._finish(seq)
+            outputs.append(StepOutput(seq, token, seq.finished))
         return outputs
+
+    def _fail(self, seq: Sequence, message: str | None) -> StepOutput:
+        seq.error = message or "request failed"
+        seq.finish_reason = "error"
+        self.stats.failures += 1
+        self._retire(seq)
+        return StepOutput(seq, None, True, error=seq.error)
+
+    def _finish(self, seq: Sequence) -> None:
+        """Output end: persist the conversation's units and its window snapshot, free the cache."""
+        if self.prefix_cache is not None and not seq.exact_prefill and seq.cache is not None \
+                and not seq.cache.released and seq.job is None:
+            self.prefix_cache.save(seq.cache, ends=[seq.cache.n_tokens])
+        self._retire(seq)
+
+    def _retire(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.job = None
+        seq.swapped = None
+        if seq.cache is not None and not seq.cache.released:
+            seq.cache.release()
 
     # ------------------------------------------------------------------ simple API
     def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
                  exact_prefill: bool = False, **sampling) -> list[list[int]]:
         """Generate for each prompt; returns the new token ids (stop ids excluded)."""
-        reqs = [self.add_request(p, SamplingParams(temperature=temperature, max_tokens=max_tokens, **sampling),
+        seqs = [self.add_request(p, SamplingParams(temperature=temperature, max_tokens=max_tokens, **sampling),
                                  exact_prefill) for p in prompts]
-        while any(not r.finished for r in reqs):
+        while any(not s.finished for s in seqs):
             self.step()
-        return [r.output for r in reqs]
+        return [s.output for s in seqs]

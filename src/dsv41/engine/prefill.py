@@ -1,14 +1,18 @@
 """Prefill: encoder-only with Decoder SWA Bounded Replay (default), or exact (every layer).
 
-Encoder-only prefill (SPEC §2, §6): every prompt token runs only the encoder layers, in chunks of
-`chunk` tokens so long prompts fit; the decoder's global KV is the decoder kv-source layer's
-compressor applied to the encoder output (its normalized attention input), for every token. Then
-only the last n_win prompt tokens run through the decoder, starting from their encoder outputs,
-with the window truncated at the replay start s (query i sees window keys in [max(s, i−W+1), i]).
-That fills the decoder's window rings and yields the first logits. Decoder windows are never
-cached; the state after a replay is approximate by design. Cost ≈ N·L/2 + n_win·L/2 layers.
+Encoder-only prefill (SPEC §2, §6): every prompt token runs only the encoder layers, in chunks so
+long prompts fit and so a scheduler can interleave them with other requests' decode steps; the
+decoder's global KV is the decoder kv-source layer's compressor applied to the encoder output (its
+normalized attention input), for every token. Then only the last n_win prompt tokens run through
+the decoder, starting from their encoder outputs, with the window truncated at the replay start s
+(query i sees window keys in [max(s, i−W+1), i]). That fills the decoder's window rings and yields
+the first logits. Decoder windows are never cached; the state after a replay is approximate by
+design. Cost ≈ N·L/2 + n_win·L/2 layers.
 
 Exact prefill runs all layers over all tokens (the reference's behaviour), for comparison.
+
+`PrefillJob` is the per-request state machine (what the engine's scheduler advances a piece per
+step); `prefill` runs one to completion.
 """
 
 from __future__ import annotations
@@ -28,66 +32,144 @@ def encoder_only_supported(runner: Runner) -> bool:
     return decoder_sources in ([], [c.encoder_layers])
 
 
-def prefill(runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,
-            exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False) -> Tensor:
-    """Process `tokens` (appended after what seq already holds); return the last position's
-    logits (vocab,) fp32.
+class PrefillJob:
+    """One sequence's prefill of `tokens` (appended after what seq already holds), in pieces.
 
     encoder_replay = R > 0 is Encoder SWA Bounded Replay after a prefix hit without windows: the
     last R cached tokens run through the encoder again, producing only window KV (their global KV
     is cached and is neither recomputed nor overwritten), truncated at their first position.
     decoder_windows_valid: seq's decoder rings hold the exact state at its end (an exact resume),
-    so a short suffix continues them instead of starting a fresh bounded replay."""
-    c = runner.config
-    device = seq.device
-    start0 = seq.n_tokens
-    n_total = start0 + len(tokens)
-    if not tokens:
-        raise ValueError("prefill needs at least one token")
-    if exact or not encoder_only_supported(runner):
-        if encoder_replay:
+    so a short suffix continues them instead of starting a fresh bounded replay.
+
+    Pieces: encoder (or, exact, all-layer) chunks of at most `chunk` tokens — any size the caller
+    allows — then one decoder replay of at most n_win tokens. `plan(budget)` lists the next pieces
+    that fit a token budget; `step(n)` runs one and returns the last position's logits (vocab,)
+    fp32 after the final piece, None before."""
+
+    def __init__(self, runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,
+                 exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False):
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        if chunk < 1:
+            raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
+        c = runner.config
+        self.runner, self.seq, self.chunk = runner, seq, chunk
+        self.exact = exact or not encoder_only_supported(runner)
+        if self.exact and encoder_replay:
             raise ValueError("encoder replay needs encoder-only prefill")
-        h = pre_mix = None
-        for cs in range(0, len(tokens), chunk):
-            ids = tokens[cs:cs + chunk]
-            t = torch.tensor([ids], device=device)
-            h, pre_mix = runner.forward([seq], t, torch.tensor([start0 + cs], device=device), range(c.n_layers))
+        self.tokens = list(tokens)
+        self.start0 = seq.n_tokens
+        self.n_total = self.start0 + len(tokens)
+        self.first = self.start0 - encoder_replay  # first position run (replayed tokens come first)
+        self.cursor = self.first  # next position to run through the encoder (or every layer)
+        self.replay_start = torch.tensor([self.first], device=seq.device) if encoder_replay else None
+        self.continue_windows = decoder_windows_valid
+        self.layers = range(c.n_layers) if self.exact else range(c.encoder_layers)
+        self.done = False
+        self.tail_h: Tensor | None = None
+        self.tail_pre: Tensor | None = None
+        if encoder_replay:
+            seq.clear_windows(range(c.n_layers))
+
+    # ------------------------------------------------------------------ scheduling view
+    @property
+    def decoder_pending(self) -> bool:
+        return not self.exact and self.cursor >= self.n_total and not self.done
+
+    def remaining(self) -> int:
+        """Tokens still to run (encoder tokens + the decoder replay)."""
+        if self.done:
+            return 0
+        left = self.n_total - self.cursor
+        return left + (0 if self.exact else self._n_replay())
+
+    def plan(self, budget: int, alone: bool = True) -> list[int]:
+        """Token counts of the next pieces that fit in `budget` (in order; what `step` runs). A
+        piece never straddles the replayed / new-token boundary; the decoder replay is one piece,
+        taken over budget only when `alone` (nothing else runs in the step) and it is next."""
+        pieces: list[int] = []
+        cur = self.cursor
+        while not self.done and budget > 0:
+            if not self.exact and cur >= self.n_total:  # the decoder replay
+                n = self._n_replay()
+                if n <= budget or (alone and not pieces):
+                    pieces.append(n)
+                break
+            n = min(self.n_total - cur, self.chunk, budget)
+            if cur < self.start0:
+                n = min(n, self.start0 - cur)
+            pieces.append(n)
+            cur += n
+            budget -= n
+            if self.exact and cur >= self.n_total:
+                break
+        return pieces
+
+    def _n_replay(self) -> int:
+        return self.n_total - max(self.first, self.n_total - self.runner.config.window_size)
+
+    # ------------------------------------------------------------------ running
+    @torch.no_grad()
+    def step(self, n: int | None = None) -> Tensor | None:
+        """Run the next piece: n encoder (exact: all-layer) tokens (default: as `plan` would with
+        one chunk of budget), or the decoder replay when the encoder pass is done."""
+        if self.done:
+            raise RuntimeError("PrefillJob.step: the prefill has finished")
+        if self.decoder_pending:
+            return self._decoder()
+        n = n or self.plan(self.chunk)[0]
+        lo = self.cursor
+        hi = min(lo + n, self.start0 if lo < self.start0 else self.n_total)
+        seq, runner = self.seq, self.runner
+        replayed = hi <= self.start0  # cached tokens run again: window KV only
+        ids = seq.tokens[lo:hi] if replayed else self.tokens[lo - self.start0:hi - self.start0]
+        h, pre_mix = runner.forward([seq], torch.tensor([ids], device=seq.device), [lo], self.layers,
+                                    replay_start=self.replay_start, compress=not replayed)
+        c = runner.config
+        enc = c.encoder_layers
+        if not self.exact and not replayed and enc < c.n_layers and c.compress_ratios[enc] \
+                and runner.plans[enc].mode == FULL:
+            runner.produce(enc, [seq], h, pre_mix, [lo])
+        if not replayed:
             seq.tokens.extend(ids)
+        self.cursor = hi
+        if self.exact:
+            if hi >= self.n_total:
+                self.done = True
+                return runner.logits(h, pre_mix)[0]
+            return None
+        self._keep_tail(h, pre_mix)
+        return None
+
+    def _keep_tail(self, h: Tensor, pre_mix: Tensor) -> None:
+        W = self.runner.config.window_size
+        self.tail_h = h[:, -W:] if self.tail_h is None else torch.cat((self.tail_h, h), dim=1)[:, -W:]
+        self.tail_pre = pre_mix[:, -W:] if self.tail_pre is None else torch.cat((self.tail_pre, pre_mix), dim=1)[:, -W:]
+
+    def _decoder(self) -> Tensor:
+        """The last n_win tokens through the decoder from their encoder outputs (bounded replay)."""
+        runner, seq, c = self.runner, self.seq, self.runner.config
+        n_replay = self._n_replay()
+        replay = self.n_total - n_replay
+        ids = seq.tokens[replay:self.n_total]
+        start = torch.tensor([replay], device=seq.device)
+        continue_windows = self.continue_windows and replay == self.start0
+        h, pre_mix = runner.forward([seq], torch.tensor([ids], device=seq.device), [replay],
+                                    range(c.encoder_layers, c.n_layers), self.tail_h[:, -n_replay:],
+                                    self.tail_pre[:, -n_replay:], replay_start=None if continue_windows else start,
+                                    compress=False)
+        self.done = True
+        self.tail_h = self.tail_pre = None
         return runner.logits(h, pre_mix)[0]
 
-    enc, window = c.encoder_layers, c.window_size
-    tail_h: Tensor | None = None
-    tail_pre: Tensor | None = None
 
-    def keep_tail(h: Tensor, pre_mix: Tensor) -> None:
-        nonlocal tail_h, tail_pre
-        tail_h = h if tail_h is None else torch.cat((tail_h, h), dim=1)[:, -window:]
-        tail_pre = pre_mix if tail_pre is None else torch.cat((tail_pre, pre_mix), dim=1)[:, -window:]
-
-    first = start0
-    if encoder_replay:
-        first = start0 - encoder_replay
-        ids = seq.tokens[first:start0]
-        start = torch.tensor([first], device=device)
-        seq.clear_windows(range(c.n_layers))
-        keep_tail(*runner.forward([seq], torch.tensor([ids], device=device), start, range(enc),
-                                  replay_start=start, compress=False))
-    for cs in range(0, len(tokens), chunk):
-        ids = tokens[cs:cs + chunk]
-        t = torch.tensor([ids], device=device)
-        start = torch.tensor([start0 + cs], device=device)
-        h, pre_mix = runner.forward([seq], t, start, range(enc), replay_start=None if not encoder_replay
-                                    else torch.tensor([first], device=device))
-        if enc < c.n_layers and c.compress_ratios[enc] and runner.plans[enc].mode == FULL:
-            runner.produce(enc, [seq], h, pre_mix, start)
-        seq.tokens.extend(ids)
-        keep_tail(h, pre_mix)
-    replay = max(first, n_total - window)
-    n_replay = n_total - replay
-    ids = seq.tokens[replay:n_total]
-    start = torch.tensor([replay], device=device)
-    continue_windows = decoder_windows_valid and replay == start0
-    h, pre_mix = runner.forward([seq], torch.tensor([ids], device=device), start, range(enc, c.n_layers),
-                                tail_h[:, -n_replay:], tail_pre[:, -n_replay:],
-                                replay_start=None if continue_windows else start, compress=False)
-    return runner.logits(h, pre_mix)[0]
+def prefill(runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,
+            exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False) -> Tensor:
+    """Process `tokens` (appended after what seq already holds); return the last position's
+    logits (vocab,) fp32. See `PrefillJob`."""
+    job = PrefillJob(runner, seq, tokens, chunk=chunk, exact=exact, encoder_replay=encoder_replay,
+                     decoder_windows_valid=decoder_windows_valid)
+    while True:
+        logits = job.step()
+        if logits is not None:
+            return logits

@@ -1,21 +1,29 @@
-"""Cached forward: run a range of layers over a chunk of new tokens for a batch of sequences.
+"""Cached forward: run a range of layers over new tokens for a batch of sequences.
 
 The model's blocks are reused as they are; only attention is replaced by the cached version here,
-which reads and writes the per-sequence caches through `kernels.ops` (Triton on CUDA, the torch
-twins elsewhere) instead of seeing the whole sequence:
+which reads and writes the engine's fixed pools (`BlockManager`) through `kernels.ops` (Triton on
+CUDA, the torch twins elsewhere) instead of seeing the whole sequence:
   * window keys = the layer's FP8 ring (earlier tokens) ∪ this chunk's new keys, with the bounded
     replay rule: query i sees window keys at positions [max(s, i − W + 1), i] where s is the
     replay start (SPEC §6). A one-token step writes its key into the ring first and reads the
     ring alone (the slot it overwrites is already out of the window);
-  * a Full layer pools the chunk's complete groups (continuing its partial group) and writes the
-    packed entries and index keys straight into its pages (RoPE + FP4 in one op) — unless
-    `compress=False` (a replay over tokens whose global KV is already cached: it is never
+  * a Full layer pools the tokens' complete groups (continuing the slot's partial group) and
+    writes the packed entries and index keys straight into its pages (RoPE + FP4 in one op) —
+    unless `compress=False` (a replay over tokens whose global KV is already cached: it is never
     recomputed nor overwritten);
   * Full and Reindex layers score the packed index keys (the candidate source also picks
     candidate blocks; Reindex layers score only inside them) and publish a top-k; Reuse layers
     take it; the attention kernel reads the selected packed entries directly.
-All sequences of one call advance by the same number of tokens (a prefill chunk of one sequence,
-or one decode token for each of many sequences of different lengths) and share one `CachePools`.
+
+Two ways in, one layer stack (`_layers`):
+  * `forward(seqs, tokens, start, layers, ...)` — host-driven, any batch of sequences advancing by
+    the same number of tokens (prefill chunks, tests); entry rows are reserved as groups complete;
+  * `decode(io, B, n_max)` — the static decode step: every input is a view of the persistent
+    device buffers of a `DecodeIO` (token, position, slot, Engram history, entry counts and the
+    entry row each token writes), page tables are gathered by slot on the device, the compressor's
+    partial groups are updated branch-free, and the indexer scores a fixed entry bound `n_max`
+    masked by counts. No host tensor is built and nothing syncs with the host, so the step can be
+    captured in a CUDA graph per (batch bucket, entry bound) and replayed (`engine/graphs.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dsv41.engine.cache import CachePools, SequenceCache
+from dsv41.engine.block_manager import BlockManager
+from dsv41.engine.cache import SequenceCache
 from dsv41.kernels import ops
 from dsv41.model.mhc import hc_pre, identity_pre_mix
 from dsv41.model.transformer import Transformer
@@ -34,39 +43,99 @@ from dsv41.plan import FULL, REINDEX
 
 @dataclass
 class StepRecord:
-    """What one cached forward shares across layers (replaces the reference's global)."""
+    """What one cached forward shares across layers (replaces the reference's module global)."""
 
-    pools: CachePools
-    ring_ids: Tensor  # (B,) ring slot of each sequence
-    start: list[int]  # first position of each row (host copy: no device sync per layer)
+    pools: BlockManager
+    positions: Tensor  # (B, T) absolute positions
+    slots: Tensor  # (B,) slot of each row (ring, partial groups, page-table row)
+    ring_row: Tensor  # (B, T) flat ring row slot·W + position % W where each token's window key lands
+    history: Tensor | None  # (B, k) Engram history (token ids before the chunk, −1 = none)
+    replay_start: Tensor | None = None  # (B,) bounded-replay start of the window, None = off
+    compress: bool = True
+    seqs: list[SequenceCache] | None = None  # host-driven forward; None in the static decode step
+    start: list[int] | None = None  # host copy of each row's first position (host-driven only)
+    # source → (page table (B, width) int32, entry counts (B,), entry bound); static: set up front
+    sources: dict[int, tuple[Tensor, Tensor, int]] = field(default_factory=dict)
+    write_rows: dict[int, Tensor] = field(default_factory=dict)  # static: (B, 1) entry row, −1 = none
     topk: Tensor | None = None  # (B, T, K) entry indices, −1 = none
     blocks: Tensor | None = None  # (B, T, kb) candidate block ids of the candidate source, −1 = none
-    tables: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # source → (kv, index, counts)
 
 
 class Runner:
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, pools: BlockManager | None = None):
         self.model = model
         self.config = model.config
         self.plans = model.plan
+        self.pools = pools  # the engine's pools; host-driven calls take them from the sequences
 
-    # ------------------------------------------------------------------ entry points
+    # ------------------------------------------------------------------ host-driven entry point
     @torch.no_grad()
-    def forward(self, seqs: list[SequenceCache], tokens: Tensor, start: Tensor, layers: range,
+    def forward(self, seqs: list[SequenceCache], tokens: Tensor, start: Tensor | list[int], layers: range,
                 h: Tensor | None = None, pre_mix: Tensor | None = None, *, replay_start: Tensor | None = None,
                 compress: bool = True) -> tuple[Tensor, Tensor]:
         """Run `layers` over tokens (B, T) at positions start[b] + t. Starting at layer 0 embeds the
         tokens; otherwise (h, pre_mix) are the streams entering layers.start. Tokens before
         start[b] must already be in seqs[b].tokens (Engram history)."""
+        record = self.host_record(seqs, start, tokens.size(1), replay_start=replay_start, compress=compress,
+                                  history=any(self.plans[i].engram for i in layers))
+        return self._layers(record, tokens, layers, h, pre_mix)
+
+    def host_record(self, seqs: list[SequenceCache], start: Tensor | list[int], T: int, *,
+                    replay_start: Tensor | None = None, compress: bool = True, history: bool = True) -> StepRecord:
+        pools = seqs[0].pools
+        if any(s.pools is not pools for s in seqs):
+            raise ValueError("sequences decoded in one batch must share one BlockManager (create them "
+                             "with the same `pools`, as Engine does)")
+        device = pools.device
+        start = [int(v) for v in (start.tolist() if isinstance(start, Tensor) else start)]
+        positions = torch.tensor(start, device=device).unsqueeze(1) + torch.arange(T, device=device)  # (B, T)
+        slots = torch.tensor([s.slot for s in seqs], device=device)
+        hist = None
+        if history and self.model.hasher is not None:
+            k = self.config.engram_max_ngram_size - 1
+            rows = []
+            for s, st in zip(seqs, start):
+                prev = s.tokens[max(0, st - k):st]
+                rows.append([-1] * (k - len(prev)) + prev)
+            hist = torch.tensor(rows, dtype=torch.long, device=device)  # (B, k)
+        W = self.config.window_size
+        return StepRecord(pools, positions, slots, slots.unsqueeze(1) * W + positions % W, hist,
+                          replay_start=replay_start, compress=compress, seqs=seqs, start=start)
+
+    def logits(self, h: Tensor, pre_mix: Tensor) -> Tensor:
+        """Final collapse → norm → fp32 head, for the last position of each row: (B, vocab)."""
+        return self.model.head_logits(hc_pre(h[:, -1:], pre_mix[:, -1:]))[:, 0]
+
+    @torch.no_grad()
+    def produce(self, layer_id: int, seqs: list[SequenceCache], h: Tensor, pre_mix: Tensor,
+                start: Tensor | list[int]) -> None:
+        """Global KV of a kv-source layer from the streams entering it, without running the layer
+        (encoder-only prefill: the decoder's kv source reads the encoder output)."""
+        record = self.host_record(seqs, start, h.size(1), history=False)
+        x = self.model.layers[layer_id].attn_input(h, pre_mix)
+        self._compress_host(layer_id, x, record)
+
+    # ------------------------------------------------------------------ the static decode step
+    @torch.no_grad()
+    def decode(self, io: DecodeIO, B: int, n_max: dict[int, int]) -> Tensor:
+        """One token for the first B rows of `io` through every layer; writes and returns
+        io.logits[:B] (B, vocab) fp32. Shapes depend only on (B, n_max): capturable."""
+        record = io.record(B, n_max)
+        h, pre_mix = self._layers(record, io.tokens[:B].view(B, 1), range(self.config.n_layers))
+        out = io.logits[:B]
+        out.copy_(self.logits(h, pre_mix))
+        return out
+
+    # ------------------------------------------------------------------ the layer stack
+    def _layers(self, record: StepRecord, tokens: Tensor, layers: range, h: Tensor | None = None,
+                pre_mix: Tensor | None = None) -> tuple[Tensor, Tensor]:
         model, c = self.model, self.config
-        B, T = tokens.shape
-        positions = start.unsqueeze(1) + torch.arange(T, device=tokens.device)  # (B, T)
         if layers.start == 0:
-            h = model.embed(tokens).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)
+            h = model.embed(tokens).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)  # (B, T, n, d)
             pre_mix = identity_pre_mix(h, c.hc_mult)
-        record = self._record(seqs, start)
-        hash_ids = self._hash_ids(seqs, tokens, record.start) if any(
-            self.plans[i].engram for i in layers) else None
+        hash_ids = None
+        if any(self.plans[i].engram for i in layers):
+            hash_ids = model.hasher(tokens, history=record.history)  # (B, T, n_engram_layers, cols)
         entry = None  # (input, mixes) the previous block's last fused pass made for the next block
         for i in layers:
             block = model.layers[i]
@@ -75,160 +144,231 @@ class Runner:
                 entry = None
 
             def attention(x: Tensor, i: int = i) -> Tensor:
-                return self.attention(i, x, seqs, positions, record, replay_start, compress)
+                return self.attention(i, x, record)
 
             h, pre_mix, entry = block(h, pre_mix, attention, entry=entry, next_fn=model.next_fn(i, layers.stop - 1))
         return h, pre_mix
 
-    def logits(self, h: Tensor, pre_mix: Tensor) -> Tensor:
-        """Final collapse → norm → fp32 head, for the last position of each row: (B, vocab)."""
-        return self.model.head_logits(hc_pre(h[:, -1:], pre_mix[:, -1:]))[:, 0]
-
-    @torch.no_grad()
-    def produce(self, layer_id: int, seqs: list[SequenceCache], h: Tensor, pre_mix: Tensor, start: Tensor) -> None:
-        """Global KV of a kv-source layer from the streams entering it, without running the layer
-        (encoder-only prefill: the decoder's kv source reads the encoder output)."""
-        positions = start.unsqueeze(1) + torch.arange(h.size(1), device=h.device)
-        x = self.model.layers[layer_id].attn_input(h, pre_mix)
-        self._compress(layer_id, x, seqs, positions, self._record(seqs, start))
-
-    def _record(self, seqs: list[SequenceCache], start: Tensor) -> StepRecord:
-        pools = seqs[0].pools
-        if any(s.pools is not pools for s in seqs):
-            raise ValueError("sequences decoded in one batch must share one CachePools (create them "
-                             "with the same `pools`, as Engine does)")
-        return StepRecord(pools, torch.tensor([s.ring_slot for s in seqs], device=seqs[0].device), start.tolist())
-
     # ------------------------------------------------------------------ attention with caches
-    def attention(self, layer_id: int, x: Tensor, seqs: list[SequenceCache], positions: Tensor,
-                  record: StepRecord, replay_start: Tensor | None, compress: bool) -> Tensor:
+    def attention(self, layer_id: int, x: Tensor, record: StepRecord) -> Tensor:
         attn = self.model.layers[layer_id].attn
         plan = self.plans[layer_id]
-        rings = record.pools.rings
+        pools = record.pools
         B, T, _ = x.shape
         W = attn.window
-        cos, sin = attn.angles(positions)
+        cos, sin = attn.angles(record.positions)
         qr, q = attn.query(x, cos, sin)
         kv = attn.kv_norm(attn.wkv(x))  # (B, T, D) before RoPE and FP8
-        ring_rows = rings.rows[layer_id].view(-1, rings.row_bytes)  # (S·W, bytes)
-        ring_row = record.ring_ids.view(B, 1) * W + positions % W  # (B, T) where each token lands
+        ring_rows = pools.ring_rows[layer_id].view(-1, pools.ring_bytes)  # (S·W, bytes)
+        ring_pos = pools.ring_positions[layer_id]  # (S, W)
         chunk = None
         if T == 1:  # write first: the slot overwritten holds position − W, outside the window
-            ops.rope_quantize(kv, cos, sin, "window_fp8", ring_rows, ring_row)
-            rings.positions[layer_id].view(-1)[ring_row.view(-1)] = positions.view(-1)
+            ops.rope_quantize(kv, cos, sin, "window_fp8", ring_rows, record.ring_row)
+            ring_pos.view(-1)[record.ring_row.view(-1)] = record.positions.view(-1)
         else:
-            chunk = torch.empty(B * T, rings.row_bytes, dtype=torch.uint8, device=x.device)
+            chunk = torch.empty(B * T, pools.ring_bytes, dtype=torch.uint8, device=x.device)
             ops.rope_quantize(kv, cos, sin, "window_fp8", chunk, torch.arange(B * T, device=x.device).view(B, T))
             chunk = chunk.view(B, T, -1)
 
         entry_args = {}
         if plan.ratio:
-            if plan.mode == FULL and compress:
-                self._compress(layer_id, x, seqs, positions, record)
+            if plan.mode == FULL and record.compress:
+                if record.seqs is None:
+                    self._compress_static(layer_id, x, record)
+                else:
+                    self._compress_host(layer_id, x, record)
             if plan.mode in (FULL, REINDEX):
-                record.topk = self._index(layer_id, x, qr, cos, sin, seqs, positions, record)
-            kv_table = self._tables(plan.kv_source, seqs, record)[0]
-            entry_args = dict(entry_pool=record.pools.kv[plan.kv_source].rows, page_table=kv_table,
-                              page_rows=record.pools.kv[plan.kv_source].page_rows, topk=record.topk)
-        o = ops.sparse_attention(q, positions, attn.attn_sink, attn.scale, W, ring_kv=rings.rows[layer_id],
-                                 ring_pos=rings.positions[layer_id], ring_ids=record.ring_ids, chunk_kv=chunk,
-                                 window_start=replay_start, **entry_args)
+                record.topk = self._index(layer_id, x, qr, cos, sin, record)
+            table = self._source(plan.kv_source, record)[0]
+            src = pools.sources[plan.kv_source]
+            entry_args = dict(entry_pool=src.kv_rows, page_table=table, page_rows=src.page_rows, topk=record.topk)
+        o = ops.sparse_attention(q, record.positions, attn.attn_sink, attn.scale, W, ring_kv=pools.ring_rows[layer_id],
+                                 ring_pos=ring_pos, ring_ids=record.slots, chunk_kv=chunk,
+                                 window_start=record.replay_start, **entry_args)
         if chunk is not None:  # now the chunk's last W keys replace the oldest ring slots
-            last_w = torch.arange(T, device=x.device) >= T - W
-            keep = ring_row[:, last_w].reshape(-1)
-            ring_rows[keep] = chunk[:, last_w].reshape(-1, rings.row_bytes)
-            rings.positions[layer_id].view(-1)[keep] = positions[:, last_w].reshape(-1)
+            last_w = slice(max(0, T - W), T)
+            keep = record.ring_row[:, last_w].reshape(-1)
+            ring_rows[keep] = chunk[:, last_w].reshape(-1, pools.ring_bytes)
+            ring_pos.view(-1)[keep] = record.positions[:, last_w].reshape(-1)
         return attn.output(o, cos, sin)
 
-    def _tables(self, source: int, seqs: list[SequenceCache], record: StepRecord) -> tuple[Tensor, Tensor, Tensor]:
-        """(kv page table, index-key page table) (B, max pages) int32 and entry counts (B,) of a kv
-        source, built once per call after the source has written."""
-        if source not in record.tables:
-            stores = [s.entry_stores[source] for s in seqs]
+    def _source(self, source: int, record: StepRecord) -> tuple[Tensor, Tensor, int]:
+        """(page table (B, width) int32, entry counts (B,), entry bound) of a kv source, built once
+        per host-driven call after the source has written (set up front in the static step)."""
+        if source not in record.sources:
+            pools = record.pools
+            pools.sync_tables()
+            counts = [s.entry_stores[source].n_entries for s in record.seqs]
+            record.sources[source] = (pools.sources[source].table.index_select(0, record.slots),
+                                      torch.tensor(counts, device=pools.device), max(counts))
+        return record.sources[source]
 
-            def table(ids: list[list[int]]) -> Tensor:
-                width = max(1, max(len(i) for i in ids))
-                return torch.tensor([i + [0] * (width - len(i)) for i in ids], dtype=torch.int32)
-
-            device = seqs[0].device
-            record.tables[source] = (table([st.kv.page_ids for st in stores]).to(device),
-                                     table([st.index_k.page_ids for st in stores]).to(device),
-                                     torch.tensor([st.n_entries for st in stores]).to(device))
-        return record.tables[source]
-
-    def _compress(self, layer_id: int, x: Tensor, seqs: list[SequenceCache], positions: Tensor,
-                  record: StepRecord) -> None:
+    def _compress_host(self, layer_id: int, x: Tensor, record: StepRecord) -> None:
         """Pool each sequence's newly completed groups; write entries and index keys into its pages."""
         attn = self.model.layers[layer_id].attn
         comp, m = attn.compressor, attn.ratio
-        kv_rows: list[int] = []
-        index_rows: list[int] = []
-        record.tables.pop(layer_id, None)
+        pool = record.pools.sources[layer_id]
+        rows: list[int] = []
+        record.sources.pop(layer_id, None)
+        T = x.size(1)
         if m == 1:  # every token is an entry: one projection for the whole batch
-            latent, starts = comp.norm(comp.wkv(x)).flatten(0, 1), positions.flatten()  # (B·T, D), (B·T,)
-            for s in seqs:
-                kv_rows += s.entry_stores[layer_id].kv.reserve(x.size(1))
-                index_rows += s.entry_stores[layer_id].index_k.reserve(x.size(1))
+            latent, starts = comp.norm(comp.wkv(x)).flatten(0, 1), record.positions.flatten()  # (B·T, D), (B·T,)
+            for s in record.seqs:
+                rows += s.entry_stores[layer_id].reserve(T)
         else:
             latents, group_starts = [], []
-            for b, s in enumerate(seqs):
+            for b, s in enumerate(record.seqs):
                 kv, score = comp.project(x[b])  # (T, D) fp32
-                if layer_id in s.pending:
-                    kv_p, score_p = s.pending.pop(layer_id)
-                    kv, score = torch.cat((kv_p, kv)), torch.cat((score_p, score))
-                n = kv.size(0) // m
-                group0 = record.start[b] - (kv.size(0) - x.size(1))  # position of the first pending token
-                if kv.size(0) % m:
-                    s.pending[layer_id] = (kv[n * m:], score[n * m:])
+                r = record.start[b] % m  # tokens of an unfinished group already waiting in the slot
+                if r:
+                    kv = torch.cat((pool.pending_kv[s.slot, :r], kv))
+                    score = torch.cat((pool.pending_score[s.slot, :r], score))
+                n, left = divmod(kv.size(0), m)
+                if left:
+                    pool.pending_kv[s.slot, :left] = kv[n * m:]
+                    pool.pending_score[s.slot, :left] = score[n * m:]
                 if n == 0:
                     continue
-                pooled = comp.pool(kv[:n * m].view(n, m, -1), score[:n * m].view(n, m, -1))
+                pooled = comp.pool(kv[:n * m].view(n, m, -1), score[:n * m].view(n, m, -1))  # (n, D)
                 latents.append(comp.norm(pooled.to(x.dtype)))
-                group_starts.append(group0 + m * torch.arange(n, device=x.device))
-                kv_rows += s.entry_stores[layer_id].kv.reserve(n)
-                index_rows += s.entry_stores[layer_id].index_k.reserve(n)
+                group_starts.append(record.start[b] - r + m * torch.arange(n, device=x.device))
+                rows += s.entry_stores[layer_id].reserve(n)
             if not latents:
                 return
             latent, starts = torch.cat(latents), torch.cat(group_starts)
-        latent = latent.unsqueeze(0)  # (1, N, D) pre-RoPE
-        cos, sin = attn.angles(starts.unsqueeze(0))  # rotated at each group's first position
-        index_k = attn.indexer.k_norm(attn.indexer.wk(latent))  # (1, N, Di) pre-RoPE
-        device = x.device
-        ops.rope_quantize(latent, cos, sin, "kv_fp4", record.pools.kv[layer_id].rows,
-                          torch.tensor(kv_rows, device=device)[None])
-        ops.rope_quantize(index_k, cos, sin, "index_fp4", record.pools.index[layer_id].rows,
-                          torch.tensor(index_rows, device=device)[None])
+        row_ids = torch.tensor(rows, device=x.device)[None]
+        self._write_entries(layer_id, latent.unsqueeze(0), starts.unsqueeze(0), row_ids, pool)
 
-    def _index(self, layer_id: int, x: Tensor, qr: Tensor, cos: Tensor, sin: Tensor, seqs: list[SequenceCache],
-               positions: Tensor, record: StepRecord) -> Tensor:
+    def _compress_static(self, layer_id: int, x: Tensor, record: StepRecord) -> None:
+        """Decode (T = 1) compression without host work: each row's entry is written to the row
+        the host reserved for it when its token completes a group (−1 otherwise)."""
+        attn = self.model.layers[layer_id].attn
+        comp, m = attn.compressor, attn.ratio
+        pool = record.pools.sources[layer_id]
+        pos = record.positions  # (B, 1)
+        if m == 1:
+            latent, first = comp.norm(comp.wkv(x)), pos  # (B, 1, D)
+        else:
+            kv, score = comp.project(x)  # (B, 1, D) fp32
+            slots = record.slots
+            group_kv = torch.cat((pool.pending_kv[slots], kv), dim=1)  # (B, m, D): valid when this token ends it
+            group_score = torch.cat((pool.pending_score[slots], score), dim=1)
+            latent = comp.norm(comp.pool(group_kv, group_score).to(x.dtype)).unsqueeze(1)  # (B, 1, D)
+            first = pos - (m - 1)
+            # the token joins its slot's partial group unless it completed the group (then it is
+            # parked in the dummy slot): index_put, no branch on the host
+            j = (pos % m).view(-1)
+            keep = torch.where(j < m - 1, slots, torch.full_like(slots, record.pools.dummy_slot))
+            jj = j.clamp(max=m - 2)
+            pool.pending_kv[keep, jj] = kv[:, 0]
+            pool.pending_score[keep, jj] = score[:, 0]
+        self._write_entries(layer_id, latent, first, record.write_rows[layer_id], pool)
+
+    def _write_entries(self, layer_id: int, latent: Tensor, first: Tensor, rows: Tensor, pool) -> None:
+        """Pre-RoPE latents (1|B, N, D) rotated at their group's first position → FP4 entry rows and
+        index-key rows `rows` (−1 skips)."""
+        attn = self.model.layers[layer_id].attn
+        cos, sin = attn.angles(first)
+        index_k = attn.indexer.k_norm(attn.indexer.wk(latent))  # (.., N, Di) pre-RoPE
+        ops.rope_quantize(latent, cos, sin, "kv_fp4", pool.kv_rows, rows)
+        ops.rope_quantize(index_k, cos, sin, "index_fp4", pool.index_rows, rows)
+
+    def _index(self, layer_id: int, x: Tensor, qr: Tensor, cos: Tensor, sin: Tensor, record: StepRecord) -> Tensor:
         """Top-k entry indices (B, T, K) for every query; candidate blocks at the candidate source."""
         attn = self.model.layers[layer_id].attn
         plan = self.plans[layer_id]
-        pool = record.pools.index[plan.kv_source]
-        _, tables, counts = self._tables(plan.kv_source, seqs, record)
-        n_max = max(s.entry_stores[plan.kv_source].n_entries for s in seqs)
+        pool = record.pools.sources[plan.kv_source]
+        tables, counts, n_max = self._source(plan.kv_source, record)
         iq = attn.indexer.queries(qr, cos, sin, True)  # (B, T, Hi, Di) FP4 values
         weights = attn.indexer.head_weights(x)  # (B, T, Hi)
-        visible_end = (positions + 1) // attn.ratio  # entries before it have completed
+        visible_end = (record.positions + 1) // attn.ratio  # entries before it have completed
         bs = attn.candidate_block_size
         if plan.uses_candidates and not plan.candidate_source:
-            scores = ops.indexer_scores_blocks(iq, weights, pool.rows, tables, pool.page_rows, counts, visible_end,
-                                               record.blocks, bs)
+            scores = ops.indexer_scores_blocks(iq, weights, pool.index_rows, tables, pool.page_rows, counts,
+                                               visible_end, record.blocks, bs)
             ids = record.blocks.unsqueeze(-1) * bs + torch.arange(bs, device=x.device)  # (B, T, kb, bs)
             return ops.topk_indices(scores, attn.index_topk, ids.flatten(-2))
-        scores, block_max = ops.indexer_scores(iq, weights, pool.rows, tables, pool.page_rows, counts, visible_end,
-                                               n_max, bs if plan.candidate_source else 0)
+        scores, block_max = ops.indexer_scores(iq, weights, pool.index_rows, tables, pool.page_rows, counts,
+                                               visible_end, n_max, bs if plan.candidate_source else 0)
         if plan.candidate_source:
             n_visible = torch.minimum(visible_end, counts.view(-1, 1))
             newest = torch.where(n_visible > 0, (n_visible - 1) // bs, -1)
             record.blocks = ops.select_blocks(block_max, newest, attn.candidate_topk_blocks)
         return ops.topk_indices(scores, attn.index_topk)
 
-    def _hash_ids(self, seqs: list[SequenceCache], tokens: Tensor, start: list[int]) -> Tensor:
-        k = self.config.engram_max_ngram_size - 1
-        rows = []
-        for s, st in zip(seqs, start):
-            prev = s.tokens[max(0, st - k):st]
-            rows.append([-1] * (k - len(prev)) + prev)
-        history = torch.tensor(rows, dtype=torch.long, device=tokens.device)  # (B, k), −1 = before the start
-        return self.model.hasher(tokens, history=history)
+
+class DecodeIO:
+    """Persistent buffers of the static decode step for up to `max_batch` rows.
+
+    One int64 host buffer (pinned on CUDA) holds every per-row input, one field per row of the
+    buffer so that each field's first B entries are a contiguous view; the host fills it and
+    `send()` copies it to its device twin in one transfer. Fields: token, position, slot, Engram
+    history (k columns), and per kv source its entry count after the step and the pool row the
+    step's completed entry goes to (−1 = none). `logits` is the step's (max_batch, vocab) output."""
+
+    def __init__(self, config, pools: BlockManager, max_batch: int):
+        self.config, self.pools, self.max_batch = config, pools, max_batch
+        self.k = config.engram_max_ngram_size - 1 if config.engram_layer_ids else 0
+        self.sources = list(pools.sources)
+        self.TOK, self.POS, self.SLOT, self.HIST = 0, 1, 2, 3
+        self.CNT = {s: 3 + self.k + 2 * i for i, s in enumerate(self.sources)}
+        self.ROW = {s: 4 + self.k + 2 * i for i, s in enumerate(self.sources)}
+        n_fields = 3 + self.k + 2 * len(self.sources)
+        device = pools.device
+        self.host = torch.zeros(n_fields, max_batch, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.view = self.host.numpy()  # (F, max_batch) host writes without torch ops
+        self.device = torch.zeros(n_fields, max_batch, dtype=torch.long, device=device)
+        self.logits = torch.zeros(max_batch, config.vocab_size, dtype=torch.float32, device=device)
+        self.pad(0)
+        self.pad_device = self.host.to(device, copy=True)  # every row padding (graph warm-up)
+
+    @property
+    def tokens(self) -> Tensor:
+        return self.device[self.TOK]
+
+    def pad(self, first: int, last: int | None = None) -> None:
+        """Rows [first, last) become padding: dummy slot, position 0, no entry written."""
+        v, last = self.view, self.max_batch if last is None else last
+        v[:, first:last] = 0
+        v[self.SLOT, first:last] = self.pools.dummy_slot
+        v[self.HIST:self.HIST + self.k, first:last] = -1
+        for s in self.sources:
+            v[self.ROW[s], first:last] = -1
+
+    def fill(self, b: int, cache: SequenceCache, token: int) -> None:
+        """Row b decodes `token` at the end of `cache` (reserving the entry rows it completes)."""
+        v = self.view
+        pos = cache.n_tokens
+        v[self.TOK, b], v[self.POS, b], v[self.SLOT, b] = token, pos, cache.slot
+        if self.k:
+            prev = cache.tokens[-self.k:] if pos else []
+            v[self.HIST:self.HIST + self.k, b] = -1
+            if prev:
+                v[self.HIST + self.k - len(prev):self.HIST + self.k, b] = prev
+        for s in self.sources:
+            store = cache.entry_stores[s]
+            m = store.ratio
+            v[self.ROW[s], b] = store.reserve(1)[0] if (pos + 1) % m == 0 else -1
+            v[self.CNT[s], b] = store.n_entries
+
+    def send(self) -> None:
+        """Host buffer and changed page tables → device (non-blocking; ordered before the step)."""
+        self.device.copy_(self.host, non_blocking=True)
+        self.pools.sync_tables()
+
+    def max_entries(self, B: int) -> dict[int, int]:
+        return {s: int(self.view[self.CNT[s], :B].max()) if B else 0 for s in self.sources}
+
+    def record(self, B: int, n_max: dict[int, int]) -> StepRecord:
+        """Views of the first B rows as a step record (device ops only)."""
+        d, pools = self.device, self.pools
+        positions = d[self.POS, :B].view(B, 1)
+        slots = d[self.SLOT, :B]
+        history = d[self.HIST:self.HIST + self.k, :B].t() if self.k else None  # (B, k)
+        W = self.config.window_size
+        rec = StepRecord(pools, positions, slots, slots.view(B, 1) * W + positions % W, history, seqs=None)
+        for s in self.sources:
+            table = pools.sources[s].table.index_select(0, slots)  # (B, width) int32
+            rec.sources[s] = (table, d[self.CNT[s], :B], max(1, int(n_max[s])))
+            rec.write_rows[s] = d[self.ROW[s], :B].view(B, 1)
+        return rec

@@ -1,0 +1,402 @@
+"""Decode and prefill speed of the engine vs a dense GQA Llama of the same active size, one run.
+
+    python benchmarks/peer_decode.py                              # the H200 grid (issue 15)
+    python benchmarks/peer_decode.py --device cpu --preset tiny --batches 1 2 --contexts 256 \\
+        --prefill 256 --steps 3 --no-peer                         # a smoke run without a GPU
+
+dsv41 (`small`, random weights, bf16) decodes through its engine — fixed pools, the static decode
+step replayed from CUDA graphs — from caches filled synthetically to the context length (packed
+FP4 entries and index keys, FP8 windows, written by the engine's own quantizing kernels), so a
+128K context costs no 128K prefill; the timed loop is `Engine.step()` itself (host bookkeeping,
+one input copy, graph replay, sampling, the token read back).
+
+The peer is a Hugging Face `transformers` Llama with about the same active parameters per token
+(`peer_config`), random weights, bf16, its KV cache filled with random keys/values of the same
+context, on three paths: (i) eager forward with `DynamicCache` (what `generate` runs), (ii)
+`StaticCache` + `torch.compile(mode="reduce-overhead")` (HF's fastest documented path; compiled
+for the cells in --compile-cells only, each compile costs minutes), (iii) a plain-torch decode step
+over the same weights captured in a CUDA graph (GQA as a query-length-G SDPA over the static
+cache). Prefill: one prompt at each --prefill length, dsv41 encoder-only and exact vs the peer's
+eager forward (SDPA flash attention). The hardware ceilings (bf16 8192³ matmul, device copy)
+are measured in the same run, and `torch.profiler` counts kernels per eager decode step and the
+GPU-busy fraction. Writes benchmarks/results/peer_decode-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from dsv41 import load_config
+from dsv41.accounting import compute
+from dsv41.engine.cache import SequenceCache, private_pools
+from dsv41.engine.engine import Engine
+from dsv41.engine.prefill import prefill
+from dsv41.engine.runner import Runner
+from dsv41.engine.synthetic import synthetic_running
+from dsv41.model.transformer import Transformer
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeat: int = 1) -> float:
+    """Seconds per call (host clock after a device sync)."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / repeat
+
+
+def ceilings(device: str) -> dict:
+    if not device.startswith("cuda"):
+        return {}
+    n = 8192
+    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    s = timed(lambda: a @ b, device, 10)
+    x = torch.randn(2**29 // 2, device=device, dtype=torch.bfloat16)  # 512 MiB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    c = timed(lambda: y.copy_(x), device, 20)
+    return {"bf16_matmul_tflops": 2 * n**3 / s / 1e12, "copy_gb_s": 2 * x.numel() * 2 / c / 1e9}
+
+
+def peer_config(config, context: int):
+    """A dense GQA Llama with about dsv41's active parameters per token and 4096 B/token of KV."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=config.vocab_size, hidden_size=384, intermediate_size=1664, num_hidden_layers=8,
+                       num_attention_heads=6, num_key_value_heads=2, head_dim=64, max_position_embeddings=context,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
+
+
+def count_params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# ---------------------------------------------------------------------------------------------- dsv41
+def dsv41_decode(model, B: int, context: int, steps: int, device: str, graphs: bool) -> dict:
+    c = model.config
+    engine = Engine(model, max_batch=max(B, 1), max_seq_len=context + steps + 8,
+                    max_tokens=B * (context + steps + 8), cuda_graphs=graphs)
+    synthetic_running(engine, B, context, seed=0)
+    for _ in range(3):  # warm-up (captures the graph)
+        engine.step()
+    t = timed(engine.step, device, steps)
+    out = {"step_ms": t * 1e3, "tok_s": B / t, "graphs": engine.graphs.captures if engine.graphs else 0}
+    if engine.graphs is not None:  # the replay alone (GPU time of the step)
+        key = next(iter(engine.graphs.graphs))
+        graph = engine.graphs.graphs[key]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out["replay_ms"] = start.elapsed_time(end) / steps
+    out["kv_pool_gib"] = engine.pools.allocated_bytes()["global_kv"] / 2**30
+    return out
+
+
+def dsv41_profile(model, B: int, context: int, device: str) -> dict:
+    """Kernels per eager decode step and the GPU-busy fraction (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    c = model.config
+    engine = Engine(model, max_batch=B, max_seq_len=context + 16, max_tokens=B * (context + 16), cuda_graphs=False)
+    synthetic_running(engine, B, context, seed=1)
+    for _ in range(2):
+        engine.step()
+    sync(device)
+    n = 3
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            engine.step()
+        sync(device)
+    wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e6  # µs → s
+    return {"batch": B, "context": context, "kernels_per_step": len(kernels) / n, "gpu_busy_fraction": busy / wall,
+            "eager_step_ms": wall / n * 1e3}
+
+
+def dsv41_prefill(model, n: int, device: str, chunk: int) -> dict:
+    c = model.config
+    runner = Runner(model)
+    ids = torch.randint(3, c.vocab_size, (n,)).tolist()
+
+    def run(exact: bool) -> None:
+        prefill(runner, SequenceCache(c, pools=private_pools(c, device, max_tokens=n + 8)), ids, chunk=chunk,
+                exact=exact)
+
+    run(False)  # warm-up: kernels compiled
+    run(True)
+    enc, exact = timed(lambda: run(False), device), timed(lambda: run(True), device)
+    return {"tokens": n, "encoder_only_ms": enc * 1e3, "exact_ms": exact * 1e3, "encoder_over_exact": enc / exact,
+            "encoder_only_tok_s": n / enc}
+
+
+# ---------------------------------------------------------------------------------------------- the peer
+class PeerGraphStep:
+    """Plain-torch decode step of the HF Llama's weights over a static KV cache, CUDA-graphable."""
+
+    def __init__(self, hf, B: int, length: int, device: str):
+        cfg = hf.config
+        self.hf, self.B, self.L = hf, B, length
+        self.kvh, self.hd, self.h = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
+        self.G = self.h // self.kvh
+        shape = (B, self.kvh, length, self.hd)
+        self.k = [torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in hf.model.layers]
+        self.v = [torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in hf.model.layers]
+        self.tokens = torch.randint(3, cfg.vocab_size, (B, 1), device=device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.inv_freq = hf.model.rotary_emb.inv_freq.to(device)
+        self.ar = torch.arange(length, device=device)
+
+    def _rope(self, x, cos, sin):
+        half = x.size(-1) // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return x * cos + torch.cat((-x2, x1), -1) * sin
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        B, hf = self.B, self.hf
+        h = hf.model.embed_tokens(self.tokens)  # (B, 1, d)
+        freqs = self.pos.float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+        mask = (self.ar <= self.pos).view(1, 1, 1, -1)
+        for i, layer in enumerate(hf.model.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(B, self.kvh, self.G, self.hd)  # heads grouped by their KV head
+            k = a.k_proj(x).view(B, self.kvh, 1, self.hd)
+            v = a.v_proj(x).view(B, self.kvh, 1, self.hd)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            self.k[i].index_copy_(2, self.pos.view(1), k)
+            self.v[i].index_copy_(2, self.pos.view(1), v)
+            o = torch.nn.functional.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask)
+            h = h + a.o_proj(o.reshape(B, 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = hf.lm_head(hf.model.norm(h)).float()
+        self.pos.add_(1)
+        return logits
+
+
+def peer_graph(hf, B: int, context: int, steps: int, device: str) -> dict:
+    step = PeerGraphStep(hf, B, context + steps * 8 + 8, device)
+    step.pos.fill_(context)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step.step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = step.step()
+
+    def one():
+        graph.replay()
+        step.tokens.copy_(logits.argmax(-1, keepdim=True))  # greedy, stays on the device
+        step.tokens[0, 0].item()  # the token read back, as a server must
+
+    for _ in range(3):
+        one()
+    t = timed(one, device, steps)
+    return {"step_ms": t * 1e3, "tok_s": B / t}
+
+
+def _prefilled_cache(hf, kind: str, B: int, context: int, length: int, device: str):
+    from transformers import DynamicCache, StaticCache
+
+    cfg = hf.config
+    shape = (B, cfg.num_key_value_heads, context, cfg.head_dim)
+    if kind == "dynamic":
+        cache = DynamicCache(config=cfg)
+        for i in range(cfg.num_hidden_layers):
+            cache.update(torch.randn(shape, device=device, dtype=torch.bfloat16),
+                         torch.randn(shape, device=device, dtype=torch.bfloat16), i)
+        return cache
+    cache = StaticCache(config=cfg, max_cache_len=length)
+    for layer in cache.layers:
+        layer.lazy_initialization(torch.zeros(B, cfg.num_key_value_heads, 1, cfg.head_dim, device=device,
+                                              dtype=torch.bfloat16),
+                                  torch.zeros(B, cfg.num_key_value_heads, 1, cfg.head_dim, device=device,
+                                              dtype=torch.bfloat16))
+        layer.keys[:, :, :context].normal_()
+        layer.values[:, :, :context].normal_()
+        layer.cumulative_length.fill_(context)
+    return cache
+
+
+def peer_hf(hf, B: int, context: int, steps: int, device: str, compiled: bool) -> dict:
+    cache = _prefilled_cache(hf, "static" if compiled else "dynamic", B, context, context + steps * 8 + 8, device)
+    forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True) if compiled else hf.forward
+    tok = torch.randint(3, hf.config.vocab_size, (B, 1), device=device)
+    pos = [context]
+
+    @torch.no_grad()
+    def one():
+        out = forward(input_ids=tok, position_ids=torch.full((B, 1), pos[0], device=device),
+                      past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tok.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+        tok[0, 0].item()
+        pos[0] += 1
+
+    t_compile = timed(one, device)  # first call compiles
+    for _ in range(3):
+        one()
+    t = timed(one, device, steps)
+    return {"step_ms": t * 1e3, "tok_s": B / t, "first_call_s": t_compile}
+
+
+def peer_prefill(hf, n: int, device: str) -> dict:
+    ids = torch.randint(3, hf.config.vocab_size, (1, n), device=device)
+
+    @torch.no_grad()
+    def run():
+        hf(input_ids=ids, use_cache=True, logits_to_keep=1)
+
+    run()
+    t = timed(run, device)
+    return {"tokens": n, "ms": t * 1e3, "tok_s": n / t}
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768])
+    ap.add_argument("--prefill-chunk", type=int, default=8192)
+    ap.add_argument("--compile-cells", nargs="*", default=["1x4096", "64x32768"],
+                    help="BxT cells where the peer's torch.compile path runs (each compile costs minutes)")
+    ap.add_argument("--no-peer", action="store_true", help="dsv41 only (no transformers needed)")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--profile", nargs="*", default=["64x32768"], help="BxT cells to profile (eager step)")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("peer_decode: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    device = args.device
+    torch.manual_seed(0)
+    config = load_config(args.preset)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = Transformer(config).init_weights(seed=0).to(device=device, dtype=dtype).eval()
+    report = {"benchmark": "peer_decode", "date": dt.date.today().isoformat(), "preset": args.preset,
+              "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+              "torch": torch.__version__, "dsv41_active_params": compute(config)["active_params_decode"],
+              "dsv41_kv_bytes_per_token": compute(config)["global_kv_bytes_per_token"],
+              "ceilings": ceilings(device), "cells": [], "prefill": [], "profile": [], "errors": []}
+    hf = None
+    if not args.no_peer:
+        from transformers import LlamaForCausalLM
+
+        hf = LlamaForCausalLM(peer_config(config, max(args.contexts) * 2)).to(device=device, dtype=torch.bfloat16).eval()
+        pc = hf.config
+        report["peer"] = {"params": count_params(hf), "layers": pc.num_hidden_layers, "hidden": pc.hidden_size,
+                          "kv_heads": pc.num_key_value_heads, "head_dim": pc.head_dim,
+                          "kv_bytes_per_token": 2 * pc.num_hidden_layers * pc.num_key_value_heads * pc.head_dim * 2}
+    print(json.dumps({k: report[k] for k in ("device", "ceilings", "dsv41_active_params")}, default=str))
+
+    def attempt(what: str, fn):
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - a failed cell is reported, the run goes on
+            traceback.print_exc()
+            report["errors"].append(f"{what}: {type(err).__name__}: {err}"[:500])
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            return None
+
+    for T in args.contexts:
+        for B in args.batches:
+            cell = {"batch": B, "context": T}
+            cell["dsv41"] = attempt(f"dsv41 {B}x{T}", lambda: dsv41_decode(model, B, T, args.steps, device,
+                                                                            not args.no_graphs and device != "cpu"))
+            if hf is not None:
+                cell["peer_graph"] = attempt(f"peer graph {B}x{T}", lambda: peer_graph(hf, B, T, args.steps, device))
+                cell["peer_eager_dynamic"] = attempt(f"peer eager {B}x{T}",
+                                                     lambda: peer_hf(hf, B, T, max(4, args.steps // 4), device, False))
+                if f"{B}x{T}" in args.compile_cells:
+                    cell["peer_compile_static"] = attempt(f"peer compile {B}x{T}",
+                                                          lambda: peer_hf(hf, B, T, args.steps, device, True))
+            ours = (cell.get("dsv41") or {}).get("tok_s")
+            for k in ("peer_graph", "peer_eager_dynamic", "peer_compile_static"):
+                theirs = (cell.get(k) or {}).get("tok_s")
+                if ours and theirs:
+                    cell[f"ratio_vs_{k}"] = ours / theirs
+            report["cells"].append(cell)
+            print(json.dumps(cell, default=lambda v: round(v, 4) if isinstance(v, float) else v))
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    for n in args.prefill:
+        row = {"tokens": n, "dsv41": attempt(f"dsv41 prefill {n}", lambda: dsv41_prefill(model, n, device,
+                                                                                         args.prefill_chunk))}
+        if hf is not None:
+            row["peer"] = attempt(f"peer prefill {n}", lambda: peer_prefill(hf, n, device))
+            if row["dsv41"] and row["peer"]:
+                row["encoder_only_vs_peer_throughput"] = row["dsv41"]["encoder_only_tok_s"] / row["peer"]["tok_s"]
+        report["prefill"].append(row)
+        print(json.dumps(row, default=str))
+    for cell in args.profile:
+        B, T = (int(v) for v in cell.split("x"))
+        if device.startswith("cuda"):
+            prof = attempt(f"profile {cell}", lambda: dsv41_profile(model, B, T, device))
+            if prof:
+                report["profile"].append(prof)
+                print(json.dumps(prof))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"peer_decode-{report['date']}.json"
+    k = 2
+    while path.exists():
+        path = out / f"peer_decode-{report['date']}-{k}.json"
+        k += 1
+    path.write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {path}")
+    print_table(report)
+    return 0
+
+
+def print_table(report: dict) -> None:
+    print(f"{'B':>4} {'ctx':>7} {'dsv41 tok/s':>12} {'graph peer':>11} {'eager peer':>11} {'compiled':>9} "
+          f"{'÷graph':>7} {'÷eager':>7} {'÷compiled':>9}")
+    f = lambda d, k="tok_s": f"{d[k]:.0f}" if d and k in d else "-"
+    r = lambda c, k: f"{c[k]:.2f}" if k in c else "-"
+    for c in report["cells"]:
+        print(f"{c['batch']:>4} {c['context']:>7} {f(c.get('dsv41')):>12} {f(c.get('peer_graph')):>11} "
+              f"{f(c.get('peer_eager_dynamic')):>11} {f(c.get('peer_compile_static')):>9} "
+              f"{r(c, 'ratio_vs_peer_graph'):>7} {r(c, 'ratio_vs_peer_eager_dynamic'):>7} "
+              f"{r(c, 'ratio_vs_peer_compile_static'):>9}")
+    for p in report["prefill"]:
+        print("prefill", json.dumps(p, default=lambda v: round(v, 3) if isinstance(v, float) else v))
+    if report["errors"]:
+        print("errors:", *report["errors"], sep="\n  ")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

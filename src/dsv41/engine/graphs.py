@@ -1,0 +1,86 @@
+"""CUDA graphs of the static decode step, one per (batch bucket, entry bound).
+
+A decode step of B sequences is padded to the next batch bucket (1, 2, 4, …, max_batch) with rows
+of the dummy slot, and the indexer's entry bound of every kv source is rounded up to a power of
+two (at least `min_entries`): the step's shapes then depend only on that key, and the graph
+captured for it the first time it is needed is replayed for every later step with that key
+(vLLM's and SGLang's decode graphs). Every input is read from `DecodeIO`'s persistent device
+buffer and the logits land in its persistent output, so a replay needs only the one host → device
+copy the engine makes anyway. All graphs share one memory pool (they never run concurrently, and
+nothing allocated inside them outlives a replay).
+
+Capture runs the step twice on an all-padding batch first (compiles and loads every kernel for the
+shapes, outside the capture), then captures; real inputs are restored before the first replay.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dsv41.engine.runner import DecodeIO, Runner
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def bucket(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"batch of {n} rows is larger than the largest bucket {buckets[-1]}")
+
+
+def entry_bound(n: int, minimum: int) -> int:
+    """Power-of-two bound ≥ max(n, minimum)."""
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
+
+
+class DecodeGraphs:
+    def __init__(self, runner: Runner, io: DecodeIO, *, min_entries: int = 1024):
+        if io.pools.device.type != "cuda":
+            raise ValueError("CUDA graphs need the engine's pools on a CUDA device")
+        self.runner, self.io = runner, io
+        self.buckets = batch_buckets(io.max_batch)
+        self.min_entries = min_entries
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+
+    def shape(self, B: int, n_entries: dict[int, int]) -> tuple[int, dict[int, int]]:
+        """The padded batch and entry bounds a step of B rows runs at."""
+        return bucket(B, self.buckets), {s: entry_bound(n, self.min_entries) for s, n in n_entries.items()}
+
+    def run(self, B: int, n_max: dict[int, int]) -> Tensor:
+        """Replay (capturing first if needed) the step for the padded shape; io.logits[:B].
+        The caller has padded rows [B, bucket) and sent the inputs."""
+        Bb = bucket(B, self.buckets)
+        key = (Bb, tuple(sorted(n_max.items())))
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = self._capture(Bb, n_max)
+        graph.replay()
+        return self.io.logits[:B]
+
+    def _capture(self, Bb: int, n_max: dict[int, int]) -> torch.cuda.CUDAGraph:
+        io = self.io
+        real = io.device.clone()
+        io.device.copy_(io.pad_device)  # every row a dummy: warm-up writes touch no sequence
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.runner.decode(io, Bb, n_max)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.runner.decode(io, Bb, n_max)
+        io.device.copy_(real)
+        self.captures += 1
+        return graph

@@ -1,0 +1,77 @@
+"""GPU checks of the engine (run on the H200 by scripts/gpu_check.sh; skipped in CI):
+CUDA-graph replay = the eager static step, and the decode step never syncs with the host."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from tests.conftest import engine_test_model
+
+from dsv41.engine.engine import Engine
+from dsv41.engine.sampling import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def run(engine: Engine, prompts: list[list[int]], n_out: int, monkeypatch) -> tuple[list[list[int]], dict]:
+    seen: dict[int, list[torch.Tensor]] = defaultdict(list)
+    emit = Engine._emit
+
+    def spy(self, seqs, logits):
+        for seq, row in zip(seqs, logits):
+            seen[seq.id].append(row.float().cpu())
+        return emit(self, seqs, logits)
+
+    monkeypatch.setattr(Engine, "_emit", spy)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=n_out)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    monkeypatch.setattr(Engine, "_emit", emit)
+    return [s.output for s in seqs], {i: seen[s.id] for i, s in enumerate(seqs)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_replay_equals_the_eager_static_step(monkeypatch, dtype):
+    torch.manual_seed(50)
+    model = engine_test_model(50).to("cuda", dtype)
+    V = model.config.vocab_size
+    prompts = [torch.randint(3, V, (n,)).tolist() for n in (40, 333, 1100)]
+    kw = dict(max_batch=4, max_seq_len=2048, page_rows=64, graph_min_entries=64)
+    eager_out, eager_rows = run(Engine(model, cuda_graphs=False, **kw), prompts, 24, monkeypatch)
+    graphs = Engine(model, cuda_graphs=True, **kw)
+    graph_out, graph_rows = run(graphs, prompts, 24, monkeypatch)
+    assert graphs.graphs.captures >= 2  # batches of 3 and 2 / 1 as requests finish, several entry bounds
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    worst = 0.0
+    for i in range(len(prompts)):
+        n = min(len(eager_rows[i]), len(graph_rows[i]))
+        for a, b in zip(graph_rows[i][:n], eager_rows[i][:n]):
+            worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
+    print(f"graph vs eager worst rel err {worst:.2e} ({dtype})")
+    assert worst <= tol
+    if dtype == torch.float32:
+        assert graph_out == eager_out
+
+
+def test_the_static_decode_step_never_syncs_with_the_host():
+    torch.manual_seed(51)
+    model = engine_test_model(51).to("cuda", torch.bfloat16)
+    engine = Engine(model, max_batch=4, max_seq_len=1024, cuda_graphs=False)
+    seqs = [engine.add_request(torch.randint(3, 1000, (n,)).tolist(), SamplingParams(max_tokens=50))
+            for n in (30, 200, 470)]
+    while any(s.prefilling or s.next_token is None for s in seqs):
+        engine.step()
+    io = engine.io
+    for b, s in enumerate(seqs):
+        io.fill(b, s.cache, s.next_token)
+    io.send()
+    n_max = io.max_entries(len(seqs))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.runner.decode(io, len(seqs), n_max)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
