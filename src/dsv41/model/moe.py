@@ -250,10 +250,23 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+@functools.cache
+def _grouped_mm_traces(dtype: torch.dtype) -> bool:
+    """Does grouped_mm's meta kernel (what torch.compile traces with) accept `dtype`? Only bf16 in torch 2.13."""
+    try:
+        a = torch.empty(8, 32, device="meta", dtype=dtype)
+        b = torch.empty(2, 32, 16, device="meta", dtype=dtype)  # (E, in, out)
+        torch._grouped_mm(a, b, offs=torch.empty(2, device="meta", dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 @torch.compiler.assume_constant_result
-def _grouped_ok(device_type: str, dtype: torch.dtype) -> bool:
-    """The probe's answer as a trace-time constant: torch.compile neither traces the probe nor breaks on it."""
-    return _grouped_mm_works(torch.device(device_type), dtype)
+def _grouped_ok(device_type: str, dtype: torch.dtype, compiling: bool) -> bool:
+    """The probes' answer as a trace-time constant: torch.compile neither traces the probe nor breaks on it."""
+    works = hasattr(torch, "_grouped_mm") and _grouped_mm_works(torch.device(device_type), dtype)
+    return works and (not compiling or _grouped_mm_traces(dtype))
 
 
 def _use_grouped(impl: MoEImpl, x: Tensor) -> bool:
@@ -261,7 +274,7 @@ def _use_grouped(impl: MoEImpl, x: Tensor) -> bool:
         return False
     if impl == "grouped":
         return True
-    return _grouped_ok(x.device.type, _compute_dtype(x))
+    return _grouped_ok(x.device.type, _compute_dtype(x), torch.compiler.is_compiling())
 
 
 # ---------------------------------------------------------------------- MoE
@@ -272,7 +285,8 @@ class MoE(nn.Module):
     (padding excluded) and `last_balance_loss`, a differentiable scalar the caller scales by
     `config.balance_loss_weight`. Both are None after an eval forward. `moe_impl` picks the dispatch:
     "auto" (grouped_mm wherever the probe finds it working for the device and compute dtype — CPU fp32 /
-    bf16 in torch 2.13, CUDA bf16 — else the loop), "loop" or "grouped".
+    bf16 in torch 2.13, CUDA bf16 — and, under torch.compile, only where its meta kernel traces: bf16; else
+    the loop), "loop" or "grouped".
     """
 
     def __init__(self, layer_id: int, config: ModelConfig, moe_impl: MoEImpl = "auto") -> None:
