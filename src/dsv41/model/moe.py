@@ -130,30 +130,30 @@ def _stack_experts(module: GroupedExperts, state_dict: dict, prefix: str, local_
                    missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
     """load_state_dict pre-hook: the per-expert official tensors → one stacked tensor per projection.
 
-    All E present: stacked (one copy). Some absent: the absent ones are reported missing by their official
-    names, the present ones copied into their slices (what a non-strict load keeps). A stacked `w1` given
-    directly is loaded as is.
+    All E present with the right shape: stacked (one copy). Otherwise each absent expert is reported
+    missing and each mis-shaped one as a size mismatch, by its official name; the others are copied into
+    their slices (what a non-strict load keeps). A stacked `w1` given directly is loaded as is.
     """
     for w in _WEIGHTS:
         if prefix + w in state_dict:
             continue
-        names = [_expert_name(prefix, i, w) for i in range(module.n_experts)]
-        present = [n in state_dict for n in names]
-        if all(present):
-            state_dict[prefix + w] = torch.stack([state_dict.pop(n) for n in names])
-            continue
-        missing_keys.extend(n for n, ok in zip(names, present) if not ok)
-        module._reported_missing.add(prefix + w)
         param = getattr(module, w)
+        names = [_expert_name(prefix, i, w) for i in range(module.n_experts)]
+        if all(n in state_dict and state_dict[n].shape == param.shape[1:] for n in names):
+            state_dict[prefix + w] = torch.stack([state_dict.pop(n) for n in names])  # (E, out, in)
+            continue
+        module._reported_missing.add(prefix + w)  # the post-hook drops the stacked name from `missing`
         with torch.no_grad():
-            for i, (n, ok) in enumerate(zip(names, present)):
-                if ok:
-                    t = state_dict.pop(n)
-                    if t.shape != param.shape[1:]:
-                        error_msgs.append(f"size mismatch for {n}: copying a param with shape {tuple(t.shape)}, "
-                                          f"the model expects {tuple(param.shape[1:])}")
-                    elif param.device.type != "meta":
-                        param[i].copy_(t)
+            for i, n in enumerate(names):
+                if n not in state_dict:
+                    missing_keys.append(n)
+                    continue
+                t = state_dict.pop(n)
+                if t.shape != param.shape[1:]:
+                    error_msgs.append(f"size mismatch for {n}: copying a param with shape {tuple(t.shape)}, "
+                                      f"the model expects {tuple(param.shape[1:])}.")
+                elif param.device.type != "meta":
+                    param[i].copy_(t)
 
 
 def _drop_stacked_missing(module: GroupedExperts, incompatible_keys) -> None:
