@@ -8,12 +8,25 @@ Key ideas:
   that modality's own load (`update_bias`, `update_moe_biases`).
 - A small sequence-level balance loss (DeepSeek-V3) is computed in every training forward and left in
   `MoE.last_balance_loss`; the trainer adds `config.balance_loss_weight` (1e-4) times it to the loss.
-- Dispatch sorts the (token, slot) pairs by expert, runs each expert on one contiguous segment — as a
-  per-expert loop (the torch twin, any device/dtype) or as one `torch._grouped_mm` per projection
-  (bf16 on CUDA) — and un-sorts the results, so the cost is O(tokens · k), never O(tokens · experts).
+- Routed experts live stacked in one `GroupedExperts`: `w1`, `w3` (E, inter, dim), `w2` (E, dim, inter), the
+  (out, in) layout of nn.Linear per expert. State-dict hooks keep the release's names
+  (`experts.{i}.w{1,2,3}.weight`, views on save, one stack on load), so checkpoints, the FP8/MXFP4
+  formats and `load_state_dict(strict=True)` see the official per-expert tensors.
+- Dispatch sorts the (token, slot) pairs by expert (stable argsort), counts rows per expert with
+  `scatter_add_` and turns the counts into offsets with a cumsum — all on the device — then runs one
+  `torch._grouped_mm` per projection over transposed *views* of the stacked weights (cast only when
+  autocast computes in another dtype) and un-sorts with `index_copy_`. No host sync and no
+  data-dependent shape (every shape follows from N, k, E), so an eval forward can be captured in a CUDA
+  graph or compiled with `fullgraph=True`. The per-expert loop (reads the counts on the host) is the twin,
+  used where grouped_mm does not run. Cost O(tokens · k), never O(tokens · experts).
 
-Numerics follow the reference: the routing weight multiplies the SwiGLU hidden (in fp32) before `w2`,
-routed and shared outputs are summed in fp32, the result is cast back to the input dtype.
+Speed note (aten ops of one eval forward, tiny widths, 256 tokens, CPU, counted with
+`dsv41.testing.sync.OpCounter`; "kernels" = ops that are not views or bare allocations):
+before (the loop, then the default off CUDA) 142 ops / 91 kernels at E = 8, k = 2 and 4,900 / 3,019 at
+E = 384, k = 6 (the v41 routing); the old grouped path had 53 / 39 but re-stacked every expert's weights
+per call (3 `stack` copies, 3·E·inter·dim elements in all: ~27 GB bf16 per layer at v41 widths). Now grouped:
+50 ops / 37 kernels whatever E (3 of them `_grouped_mm`, none copying weights); the loop twin 167 / 93
+and 6,023 / 3,021.
 """
 
 from __future__ import annotations
