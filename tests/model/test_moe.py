@@ -288,6 +288,35 @@ def test_grouped_matches_loop_cuda_bf16():
         auto(x, image)
 
 
+@pytest.mark.gpu
+def test_grouped_eval_forward_replays_in_a_cuda_graph():
+    """The sync-free claim where it matters: the eval forward captured in a CUDA graph, replayed on new
+    inputs (written into the captured buffers), equals eager."""
+    torch.manual_seed(20)
+    dev = torch.device("cuda")
+    cfg = _config(vision=True, dim=256, moe_inter_dim=128, n_routed_experts=16, n_activated_experts=4)
+    moe = MoE(0, cfg).to(dev, torch.bfloat16).eval()
+    _randomize_biases(moe)
+    x = torch.randn(8, 16, cfg.dim, device=dev, dtype=torch.bfloat16)
+    image = torch.rand(8, 16, device=dev) < 0.3
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: the grouped_mm probe and the allocator
+            moe(x, image)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y = moe(x, image)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        image.copy_(torch.rand(8, 16, device=dev) < 0.3)
+        graph.replay()
+        with torch.no_grad():
+            want = moe(x, image)
+        assert_close(y, want, rtol=BF16_RTOL, atol=1e-2, what="graph replay vs eager")
+
+
 def test_gradients_reach_experts_gate_and_shared():
     torch.manual_seed(6)
     cfg = _config(vision=True)
@@ -588,6 +617,21 @@ def test_grouped_eval_forward_makes_no_host_sync(dtype):
         with pytest.raises(HostSyncError, match="tolist"):  # and the mode would have caught it
             with NoSyncMode():
                 moe(x, image)
+
+
+def test_probe_inside_no_sync_mode_raises_and_is_not_cached_wrong():
+    """The probe syncs (it checks grouped_mm's numbers): a first forward inside NoSyncMode says so, and the
+    probe's answer is not poisoned for later calls."""
+    cfg = _config()
+    moe = MoE(0, cfg).eval()
+    x = torch.randn(1, 5, cfg.dim)
+    _grouped_mm_works.cache_clear()
+    with pytest.raises(HostSyncError, match="allclose"):
+        with torch.no_grad(), NoSyncMode():
+            moe(x)
+    assert _grouped_mm_works(torch.device("cpu"), torch.float32)
+    with torch.no_grad(), NoSyncMode():  # probed now: the forward is sync-free
+        moe(x)
 
 
 def test_grouped_training_step_makes_no_host_sync():

@@ -283,6 +283,8 @@ def _grouped_ok(device_type: str, dtype: torch.dtype, compiling: bool) -> bool:
 
 
 def _use_grouped(impl: MoEImpl, x: Tensor) -> bool:
+    """"auto" probes once per (device, compute dtype), on the first forward, and that probe reads its result
+    on the host: run one forward before capturing a CUDA graph (every capture warms up anyway)."""
     if impl == "loop":
         return False
     if impl == "grouped":

@@ -51,8 +51,12 @@ _NO_KERNEL = {aten.empty.memory_format, aten.empty_like.default, aten.empty_stri
               aten.new_empty.default, aten.new_empty_strided.default, aten._unsafe_view.default}
 
 
-class HostSyncError(RuntimeError):
-    """An op that would make the host wait for the device, or give a data-dependent shape."""
+class HostSyncError(Exception):
+    """An op that would make the host wait for the device, or give a data-dependent shape.
+
+    Not a RuntimeError on purpose: code that probes a kernel and treats a RuntimeError as "not supported"
+    (the MoE's grouped_mm probe) must not swallow it and cache a wrong answer.
+    """
 
 
 def _device_of(t: object) -> torch.device | None:
