@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.conftest import BF16_RTOL, FP32_RTOL, assert_close
 
 from dsv41 import load_config
+from dsv41.checkpoint import load_checkpoint, read_state_dict
 from dsv41.model.moe import MoE, _grouped_mm_works, moe_modules, update_moe_biases
+from dsv41.testing.sync import HostSyncError, NoSyncMode, OpCounter
 
 RTOL, ATOL = 1e-5, 1e-5  # fp32
+# fp32 model vs fp64 reference: absolute error relative to the output's scale (measured 2.5-3.5e-7; near-zero
+# outputs make a pure rtol meaningless)
+REF_ATOL = 1e-6
 
 
 def _config(vision: bool = False, **changes):
@@ -57,14 +65,14 @@ def ref_gate(x, weight, bias, bias_vl, image, cfg):
     return s, chosen, weights
 
 
-def ref_expert(x, e, limit, weight=1.0):
-    g = x.double() @ e.w1.weight.double().T
-    u = x.double() @ e.w3.weight.double().T
+def ref_expert(x, w1, w2, w3, limit, weight=1.0):
+    g = x.double() @ w1.double().T
+    u = x.double() @ w3.double().T
     if limit > 0:
         g = torch.minimum(g, torch.tensor(limit, dtype=g.dtype))
         u = u.clamp(-limit, limit)
     h = g / (1 + torch.exp(-g)) * u * weight
-    return h @ e.w2.weight.double().T
+    return h @ w2.double().T
 
 
 # ---------------------------------------------------------------------- tests
@@ -107,53 +115,149 @@ def test_bias_steers_selection_not_weights_and_bias_vl_is_for_images():
     assert (idx_text == 5).any(-1).all()
 
 
-@pytest.mark.parametrize("limit", [10.0, 0.3])
-def test_moe_matches_per_token_dense_reference(limit):
-    torch.manual_seed(3)
-    cfg = _config(vision=True, swiglu_limit=limit)
-    moe = MoE(0, cfg, moe_impl="loop")
-    _randomize_biases(moe)
-    B, T = 2, 12
-    x = torch.randn(B, T, cfg.dim) * 3
-    image = torch.rand(B, T) < 0.3
-    y = moe(x, image_mask=image)
-    assert y.shape == x.shape and y.dtype == x.dtype
-    flat, img = x.reshape(-1, cfg.dim), image.reshape(-1)
-    _, chosen, wref = ref_gate(flat, moe.gate.weight, moe.gate.bias, moe.gate.bias_vl, img, cfg)
-    want = torch.zeros(B * T, cfg.dim, dtype=torch.float64)
-    for t in range(B * T):
+# ---------------------------------------------------------------------- dispatch: grouped = loop = reference
+def _case(name):
+    """(config, moe prepared for the case, x, image_mask) — fresh random weights and inputs."""
+    if name == "image routing":  # bias_vl for image tokens, text bias for the rest
+        cfg = _config(vision=True)
+        moe = MoE(0, cfg)
+        _randomize_biases(moe, scale=0.5)
+        x = torch.randn(2, 12, cfg.dim) * 3
+        image = torch.rand(2, 12) < 0.4
+    elif name == "empty experts":  # half the experts are never chosen: zero rows in grouped_mm
+        cfg = _config()
+        moe = MoE(0, cfg)
+        with torch.no_grad():
+            moe.gate.bias[: cfg.n_routed_experts // 2] = -100.0
+        x = torch.randn(3, 10, cfg.dim) * 2
+        image = None
+    elif name == "odd N·k":  # 7 tokens × 3 slots over 5 experts: 21 rows, nothing divides anything
+        cfg = _config(n_routed_experts=5, n_activated_experts=3, swiglu_limit=0.5)
+        moe = MoE(0, cfg)
+        _randomize_biases(moe, scale=1.0)
+        x = torch.randn(1, 7, cfg.dim) * 2
+        image = None
+    else:
+        raise ValueError(name)
+    return cfg, moe, x, image
+
+
+CASES = ["image routing", "empty experts", "odd N·k"]
+
+
+def _reference(moe, x, image, cfg):
+    """Per token, in fp64: Σ over its chosen experts (from the state dict's per-expert matrices) + shared."""
+    sd = moe.state_dict()
+    flat = x.reshape(-1, cfg.dim)
+    img = image.reshape(-1) if image is not None else None
+    _, chosen, wref = ref_gate(flat, sd["gate.weight"], sd["gate.bias"], sd.get("gate.bias_vl"), img, cfg)
+    want = torch.zeros(flat.shape[0], cfg.dim, dtype=torch.float64)
+    for t in range(flat.shape[0]):
         for i in chosen[t]:
-            want[t] += ref_expert(flat[t:t + 1], moe.experts[i], limit, wref[t][i])[0]
-        want[t] += ref_expert(flat[t:t + 1], moe.shared_experts, limit)[0]
-    _close(y.reshape(B * T, -1), want, rtol=1e-5, atol=1e-5)
+            w1, w2, w3 = (sd[f"experts.{i}.w{j}.weight"] for j in (1, 2, 3))
+            want[t] += ref_expert(flat[t:t + 1], w1, w2, w3, cfg.swiglu_limit, wref[t][i])[0]
+        w1, w2, w3 = (sd[f"shared_experts.w{j}.weight"] for j in (1, 2, 3))
+        want[t] += ref_expert(flat[t:t + 1], w1, w2, w3, cfg.swiglu_limit)[0]
+    return want.view(x.shape), chosen
+
+
+def _twins(moe):
+    """The same module as 'loop' and as 'grouped' (one set of weights)."""
+    loop, grouped = copy.deepcopy(moe), copy.deepcopy(moe)
+    loop.moe_impl, grouped.moe_impl = "loop", "grouped"
+    return loop, grouped
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_equals_loop_equals_per_token_reference_fp32(case):
+    torch.manual_seed(3)
+    cfg, moe, x, image = _case(case)
+    want, chosen = _reference(moe, x, image, cfg)
+    if case == "empty experts":  # the case really leaves experts without a token
+        used = {i for ids in chosen for i in ids}
+        assert len(used) <= cfg.n_routed_experts // 2
+    loop, grouped = _twins(moe)
+    with torch.no_grad():
+        y_loop, y_grouped = loop(x, image), grouped(x, image)
+    assert y_grouped.shape == x.shape and y_grouped.dtype == x.dtype
+    atol = REF_ATOL * want.abs().max().item()
+    assert_close(y_loop, want, rtol=FP32_RTOL, atol=atol, what="loop vs reference")
+    assert_close(y_grouped, want, rtol=FP32_RTOL, atol=atol, what="grouped vs reference")
+    assert_close(y_grouped, y_loop, rtol=FP32_RTOL, atol=1e-6, what="grouped vs loop")
+
+
+@pytest.mark.parametrize("limit", [10.0, 0.3])
+def test_clamp_is_exercised_and_matches_reference(limit):
+    torch.manual_seed(13)
+    cfg = _config(vision=True, swiglu_limit=limit)
+    moe = MoE(0, cfg)
+    _randomize_biases(moe)
+    x = torch.randn(2, 12, cfg.dim) * 3
+    image = torch.rand(2, 12) < 0.3
+    want, _ = _reference(moe, x, image, cfg)
+    with torch.no_grad():
+        y = moe(x, image_mask=image)
+    assert_close(y, want, rtol=FP32_RTOL, atol=REF_ATOL * want.abs().max().item(), what=f"limit {limit}")
     if limit < 1:  # the clamp must actually have been exercised
         e = moe.shared_experts
+        flat = x.reshape(-1, cfg.dim)
         assert (flat @ e.w1.weight.T > limit).any() and (flat @ e.w3.weight.T).abs().max() > limit
 
 
-@pytest.mark.skipif(not _grouped_mm_works(torch.device("cpu"), torch.float32),
-                    reason="torch._grouped_mm does not run on CPU fp32 in this torch build")
-def test_grouped_matches_loop_cpu_fp32():
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_gradients_equal_loop_fp32(case):
     torch.manual_seed(4)
-    cfg = _config(vision=True, swiglu_limit=0.5)
-    loop = MoE(0, cfg, moe_impl="loop")
-    grouped = MoE(0, cfg, moe_impl="grouped")
-    _randomize_biases(loop, scale=1.0)  # uneven loads: some experts get few or no tokens
-    grouped.load_state_dict(loop.state_dict())
-    x = torch.randn(3, 10, cfg.dim) * 2
-    image = torch.rand(3, 10) < 0.5
+    _, moe, x, image = _case(case)
+    loop, grouped = _twins(moe.train())
     xl, xg = x.clone().requires_grad_(), x.clone().requires_grad_()
     g = torch.randn_like(x)
     yl, yg = loop(xl, image), grouped(xg, image)
-    _close(yg, yl)
     ((yl * g).sum() + loop.last_balance_loss).backward()
     ((yg * g).sum() + grouped.last_balance_loss).backward()
-    _close(xg.grad, xl.grad)
+    assert_close(xg.grad, xl.grad, rtol=FP32_RTOL, atol=1e-6, what="d/dx")
     for (name, pl), pg in zip(loop.named_parameters(), grouped.parameters()):
-        if pl.grad is None:  # the loop never touches an expert without tokens; grouped gives it zeros
-            assert pg.grad is None or pg.grad.abs().max() == 0, name
-        else:
-            _close(pg.grad, pl.grad)
+        if pl.requires_grad:
+            assert pl.grad is not None and pg.grad is not None, name
+            assert_close(pg.grad, pl.grad, rtol=FP32_RTOL, atol=1e-6, what=name)
+    if case == "empty experts":  # an expert without tokens gets an exact zero gradient slice in both
+        load = loop.last_load["text"]
+        assert (load == 0).any()
+        for w in (grouped.experts.w1, grouped.experts.w2, grouped.experts.w3):
+            assert (w.grad[load == 0] == 0).all() and (w.grad[load > 0].flatten(1).abs().amax(1) > 0).all()
+    # a plain y.sum() (expanded upstream gradient) goes through grouped_mm's backward too
+    grouped.zero_grad()
+    grouped(x.clone().requires_grad_(), image).sum().backward()
+    assert torch.isfinite(grouped.experts.w2.grad).all()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_equals_loop_bf16(case):
+    torch.manual_seed(5)
+    cfg, moe, x, image = _case(case)
+    moe = moe.to(torch.bfloat16)
+    assert moe.gate.bias.dtype == torch.float32
+    x = x.to(torch.bfloat16)
+    loop, grouped = _twins(moe)
+    with torch.no_grad():
+        yl, yg = loop(x, image), grouped(x, image)
+    assert yg.dtype == torch.bfloat16
+    assert_close(yg, yl, rtol=BF16_RTOL, atol=BF16_RTOL, what="bf16 grouped vs loop")
+    want, _ = _reference(moe, x, image, cfg)  # fp64 of the same bf16 weights and inputs
+    rel = ((yg.double() - want).norm() / want.norm()).item()
+    assert rel < BF16_RTOL, f"bf16 grouped vs fp64 reference: relative error {rel:.2e}"
+
+
+def test_grouped_equals_loop_under_cpu_autocast():
+    torch.manual_seed(6)
+    _, moe, x, image = _case("image routing")
+    loop, grouped = _twins(moe)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        yl, yg = loop(x, image), grouped(x, image)
+    assert yl.dtype == yg.dtype == torch.float32  # cast back to the input dtype
+    assert_close(yg, yl, rtol=BF16_RTOL, atol=BF16_RTOL, what="autocast grouped vs loop")
+    with torch.no_grad():
+        y32 = grouped(x, image)
+    assert not torch.equal(yg, y32)  # autocast really computed the experts in bf16
 
 
 @pytest.mark.gpu
@@ -179,6 +283,38 @@ def test_grouped_matches_loop_cuda_bf16():
         if pl.grad is not None:
             cos = F.cosine_similarity(pl.grad.float().flatten(), pa.grad.float().flatten(), dim=0)
             assert cos > 0.999
+    auto.eval()
+    with torch.no_grad(), NoSyncMode():  # no device→host copy or sync on the GPU either
+        auto(x, image)
+
+
+@pytest.mark.gpu
+def test_grouped_eval_forward_replays_in_a_cuda_graph():
+    """The sync-free claim where it matters: the eval forward captured in a CUDA graph, replayed on new
+    inputs (written into the captured buffers), equals eager."""
+    torch.manual_seed(20)
+    dev = torch.device("cuda")
+    cfg = _config(vision=True, dim=256, moe_inter_dim=128, n_routed_experts=16, n_activated_experts=4)
+    moe = MoE(0, cfg).to(dev, torch.bfloat16).eval()
+    _randomize_biases(moe)
+    x = torch.randn(8, 16, cfg.dim, device=dev, dtype=torch.bfloat16)
+    image = torch.rand(8, 16, device=dev) < 0.3
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: the grouped_mm probe and the allocator
+            moe(x, image)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y = moe(x, image)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        image.copy_(torch.rand(8, 16, device=dev) < 0.3)
+        graph.replay()
+        with torch.no_grad():
+            want = moe(x, image)
+        assert_close(y, want, rtol=BF16_RTOL, atol=1e-2, what="graph replay vs eager")
 
 
 def test_gradients_reach_experts_gate_and_shared():
@@ -189,12 +325,12 @@ def test_gradients_reach_experts_gate_and_shared():
     y = moe(x, image_mask=torch.rand(2, 16) < 0.5)
     load = moe.last_load["text"] + moe.last_load["image"]
     (y * torch.randn_like(y)).sum().backward(retain_graph=True)
-    for i, e in enumerate(moe.experts):
-        for w in (e.w1, e.w2, e.w3):
+    for i in range(moe.n_routed):
+        for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
             if load[i] > 0:
-                assert w.weight.grad is not None and w.weight.grad.abs().max() > 0, f"expert {i}"
+                assert w.grad[i].abs().max() > 0, f"expert {i}"
             else:
-                assert w.weight.grad is None
+                assert w.grad[i].abs().max() == 0, f"expert {i}"
     for w in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
         assert w.weight.grad.abs().max() > 0
     assert moe.gate.weight.grad.abs().max() > 0  # through the routing weights
@@ -348,7 +484,7 @@ def test_names_dtypes_and_eval_mode():
     assert {"gate.weight", "gate.bias", "gate.bias_vl", "shared_experts.w1.weight"} <= keys
     assert {f"experts.{E - 1}.w{j}.weight" for j in (1, 2, 3)} <= keys
     assert moe.gate.weight.shape == (E, cfg.dim)
-    assert moe.experts[0].w1.weight.shape == (cfg.moe_inter_dim, cfg.dim)
+    assert moe.state_dict()["experts.0.w1.weight"].shape == (cfg.moe_inter_dim, cfg.dim)
     assert "gate.bias_vl" not in MoE(0, _config()).state_dict()
     assert (moe.gate.bias == 0).all() and (moe.gate.bias_vl == 0).all()
     moe = moe.to(torch.bfloat16)
@@ -359,3 +495,188 @@ def test_names_dtypes_and_eval_mode():
     assert moe.last_load is None and moe.last_balance_loss is None
     assert [name for name, _ in moe_modules(torch.nn.ModuleDict({"a": moe}))] == ["a"]
     assert math.isclose(moe.bias_update_speed, cfg.bias_update_speed)
+
+
+# ---------------------------------------------------------------------- stacked weights, official names
+def test_state_dict_has_official_per_expert_names_as_views():
+    torch.manual_seed(14)
+    cfg = _config()
+    moe = MoE(0, cfg)
+    E, dim, inter = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
+    assert {n for n, _ in moe.experts.named_parameters()} == {"w1", "w2", "w3"}
+    assert moe.experts.w1.shape == moe.experts.w3.shape == (E, inter, dim)
+    assert moe.experts.w2.shape == (E, dim, inter)
+    sd = moe.state_dict()
+    expert_keys = [k for k in sd if k.startswith("experts.")]
+    # the release's order: expert-major, w1 w2 w3 within an expert
+    assert expert_keys == [f"experts.{i}.w{j}.weight" for i in range(E) for j in (1, 2, 3)]
+    for i in range(E):
+        for j in (1, 2, 3):
+            t, w = sd[f"experts.{i}.w{j}.weight"], getattr(moe.experts, f"w{j}")
+            assert torch.equal(t, w[i].detach())
+            assert t.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()  # a view: no copy
+    assert list(sd).index("experts.0.w1.weight") > list(sd).index("gate.weight")
+    assert list(sd).index(f"experts.{E - 1}.w3.weight") < list(sd).index("shared_experts.w1.weight")
+
+
+def test_load_state_dict_strict_roundtrip_and_errors_name_official_keys():
+    torch.manual_seed(15)
+    cfg = _config()
+    src, dst = MoE(0, cfg), MoE(0, cfg)
+    sd = {k: v.clone() for k, v in src.state_dict().items()}
+    assert not torch.equal(dst.experts.w2, src.experts.w2)
+    result = dst.load_state_dict(sd, strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for w in ("w1", "w2", "w3"):
+        assert torch.equal(getattr(dst.experts, w), getattr(src.experts, w)), w
+    # assign=True (what the checkpoint loader does on its meta skeleton) takes the stacked tensor
+    dst2 = MoE(0, cfg)
+    dst2.load_state_dict(sd, strict=True, assign=True)
+    assert torch.equal(dst2.experts.w3, src.experts.w3) and isinstance(dst2.experts.w3, torch.nn.Parameter)
+    # a missing expert is reported by its official name, not by the stacked one
+    partial = dict(sd)
+    del partial["experts.3.w2.weight"]
+    with pytest.raises(RuntimeError, match=r"experts\.3\.w2\.weight") as err:
+        MoE(0, cfg).load_state_dict(partial, strict=True)
+    assert '"experts.w2"' not in str(err.value)
+    fresh = MoE(0, cfg)
+    before = fresh.experts.w2.detach().clone()
+    result = fresh.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["experts.3.w2.weight"] and result.unexpected_keys == []
+    assert torch.equal(fresh.experts.w2[3], before[3])  # kept
+    assert torch.equal(fresh.experts.w2[5], src.experts.w2[5].detach())  # loaded into its slice
+    assert torch.equal(fresh.experts.w1, src.experts.w1)
+    # an expert the model does not have is unexpected; a wrong shape is an error
+    extra = dict(sd)
+    extra[f"experts.{cfg.n_routed_experts}.w1.weight"] = torch.randn(cfg.moe_inter_dim, cfg.dim)
+    with pytest.raises(RuntimeError, match=rf"Unexpected key.*experts\.{cfg.n_routed_experts}\.w1\.weight"):
+        MoE(0, cfg).load_state_dict(extra, strict=True)
+    bad = dict(sd)
+    bad["experts.1.w1.weight"] = torch.randn(cfg.moe_inter_dim + 1, cfg.dim)
+    with pytest.raises(RuntimeError, match=r"size mismatch for experts\.1\.w1\.weight"):
+        MoE(0, cfg).load_state_dict(bad, strict=True)
+
+
+SMALL = Path(__file__).resolve().parents[2] / "models" / "dsv41-small"
+
+
+@pytest.mark.slow  # two reads of the shipped checkpoint (MXFP4 dequantization): a few seconds
+@pytest.mark.skipif(not (SMALL / "config.json").is_file(), reason="models/dsv41-small is not in this checkout")
+def test_shipped_small_model_logits_equal_a_per_expert_reference(monkeypatch):
+    """models/dsv41-small through the stacked layout = the same model whose every MoE is an fp64 per-expert
+    computation from the checkpoint's own tensors (read_state_dict: no model, no hooks)."""
+    torch.manual_seed(16)
+    model = load_checkpoint(SMALL).eval()
+    cfg = model.config
+    files = read_state_dict(SMALL)  # dequantized per-expert MXFP4 matrices, as the files hold them
+    tokens = torch.randint(0, cfg.vocab_size, (1, 16))
+    with torch.no_grad():
+        got = model(tokens)
+
+    def reference_moe(prefix):
+        sd = {k[len(prefix):]: v.float() for k, v in files.items() if k.startswith(prefix)}
+
+        def forward(x, image_mask=None, token_mask=None):
+            flat = x.reshape(-1, cfg.dim)
+            _, chosen, wref = ref_gate(flat, sd["gate.weight"], sd["gate.bias"], None, None, cfg)
+            want = torch.zeros(flat.shape[0], cfg.dim, dtype=torch.float64)
+            for t in range(flat.shape[0]):
+                for i in chosen[t]:
+                    w1, w2, w3 = (sd[f"experts.{i}.w{j}.weight"] for j in (1, 2, 3))
+                    want[t] += ref_expert(flat[t:t + 1], w1, w2, w3, cfg.swiglu_limit, wref[t][i])[0]
+                w1, w2, w3 = (sd[f"shared_experts.w{j}.weight"] for j in (1, 2, 3))
+                want[t] += ref_expert(flat[t:t + 1], w1, w2, w3, cfg.swiglu_limit)[0]
+            return want.to(x.dtype).view(x.shape)
+
+        return forward
+
+    for i, layer in enumerate(model.layers):
+        monkeypatch.setattr(layer.ffn, "forward", reference_moe(f"layers.{i}.ffn."))
+    with torch.no_grad():
+        want = model(tokens)
+    scale = want.abs().max().item()
+    assert_close(got, want, rtol=FP32_RTOL, atol=REF_ATOL * scale, what="dsv41-small logits, stacked vs per-expert")
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+# ---------------------------------------------------------------------- sync-free, static shapes, compile
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_eval_forward_makes_no_host_sync(dtype):
+    torch.manual_seed(17)
+    cfg = _config(vision=True)
+    moe = MoE(0, cfg).eval().to(dtype)  # "auto": grouped on the CPU in this torch
+    _randomize_biases(moe)
+    x = torch.randn(2, 9, cfg.dim, dtype=dtype)
+    image = torch.rand(2, 9) < 0.5
+    with torch.no_grad(), NoSyncMode() as mode:
+        y = moe(x, image)
+    assert mode.ops_seen > 10 and y.shape == x.shape
+    with torch.no_grad():  # the same numbers as the loop twin, which does sync
+        moe.moe_impl = "loop"
+        assert_close(y, moe(x, image), rtol=FP32_RTOL if dtype == torch.float32 else BF16_RTOL, atol=1e-6)
+        with pytest.raises(HostSyncError, match="tolist"):  # and the mode would have caught it
+            with NoSyncMode():
+                moe(x, image)
+
+
+def test_probe_inside_no_sync_mode_raises_and_is_not_cached_wrong():
+    """The probe syncs (it checks grouped_mm's numbers): a first forward inside NoSyncMode says so, and the
+    probe's answer is not poisoned for later calls."""
+    cfg = _config()
+    moe = MoE(0, cfg).eval()
+    x = torch.randn(1, 5, cfg.dim)
+    _grouped_mm_works.cache_clear()
+    with pytest.raises(HostSyncError, match="allclose"):
+        with torch.no_grad(), NoSyncMode():
+            moe(x)
+    assert _grouped_mm_works(torch.device("cpu"), torch.float32)
+    with torch.no_grad(), NoSyncMode():  # probed now: the forward is sync-free
+        moe(x)
+
+
+def test_grouped_training_step_makes_no_host_sync():
+    """Forward (loads, balance loss), backward and the bias update: no sync either."""
+    torch.manual_seed(18)
+    cfg = _config(vision=True)
+    moe = MoE(0, cfg, moe_impl="grouped").train()
+    x = torch.randn(2, 9, cfg.dim, requires_grad=True)
+    image, mask = torch.rand(2, 9) < 0.5, torch.rand(2, 9) < 0.8
+    with NoSyncMode():
+        y = moe(x, image, mask)
+        ((y * torch.randn_like(y)).sum() + moe.last_balance_loss).backward()
+        moe.update_bias()
+    assert moe.experts.w1.grad.abs().max() > 0 and moe.gate.bias.abs().max() > 0
+
+
+def test_grouped_forward_op_count_does_not_grow_with_experts():
+    """One grouped_mm per projection: the aten ops of an eval forward are the same for 8 and 64 experts
+    (the loop twin's grow with E); the counts are the speed note in moe.py's docstring."""
+    def count(n_routed, impl):
+        cfg = _config(n_routed_experts=n_routed, n_activated_experts=2)
+        moe = MoE(0, cfg, moe_impl=impl).eval()
+        with torch.no_grad():
+            x = torch.randn(4, 64, cfg.dim)  # 256 tokens: every expert gets rows
+            with OpCounter() as ops:
+                moe(x)
+        return ops
+
+    g8, g64 = count(8, "grouped"), count(64, "grouped")
+    assert g8.counts == g64.counts and g8.counts["aten._grouped_mm"] == 3
+    l8, l64 = count(8, "loop"), count(64, "loop")
+    assert l64.kernels > 4 * l8.kernels > 4 * g8.kernels, (g8.kernels, l8.kernels, l64.kernels)
+
+
+def test_compiled_eval_forward_has_no_graph_break():
+    """torch.compile(fullgraph=True) traces the whole eval forward (bf16: grouped_mm's meta kernel needs it)."""
+    torch.manual_seed(19)
+    torch._dynamo.reset()
+    cfg = _config(vision=True)
+    moe = MoE(0, cfg).eval().to(torch.bfloat16)  # "auto": the probe is a trace-time constant
+    _randomize_biases(moe)
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 8, cfg.dim, dtype=torch.bfloat16)
+    image = torch.rand(2, 8) < 0.5
+    with torch.no_grad():
+        got, want = compiled(x, image), moe(x, image)
+    assert_close(got, want, rtol=BF16_RTOL, atol=1e-2, what="compiled vs eager")
+    torch._dynamo.reset()

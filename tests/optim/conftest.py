@@ -84,11 +84,22 @@ class Gate(nn.Module):
         self.bias = nn.Parameter(torch.zeros(c.n_routed_experts), requires_grad=False)  # set by rule
 
 
+class GroupedExperts(nn.Module):
+    """Routed experts stacked like the model's: (E, out, in) per projection (state dict: experts.{i}.wX.weight)."""
+
+    def __init__(self, c: FakeConfig):
+        super().__init__()
+        E, d, inter = c.n_routed_experts, c.dim, c.moe_inter_dim
+        self.w1 = nn.Parameter(torch.randn(E, inter, d) / d**0.5)
+        self.w2 = nn.Parameter(torch.randn(E, d, inter) / inter**0.5)
+        self.w3 = nn.Parameter(torch.randn(E, inter, d) / d**0.5)
+
+
 class MoE(nn.Module):
     def __init__(self, c: FakeConfig):
         super().__init__()
         self.gate = Gate(c)
-        self.experts = nn.ModuleList(Expert(c) for _ in range(c.n_routed_experts))
+        self.experts = GroupedExperts(c)
         self.shared_experts = Expert(c)
 
 

@@ -33,8 +33,9 @@ EXPECTED = {
     "layers.0.attn.compressor.wgate.weight": ("muon", None, True, 1.0),
     "layers.0.attn.indexer.weights_proj.weight": ("muon", None, True, 1.0),
     "layers.0.ffn.gate.weight": ("muon", None, True, 1.0),
-    "layers.0.ffn.experts.2.w1.weight": ("muon", None, True, 1.0),
-    "layers.1.ffn.experts.0.w2.weight": ("muon", None, True, 1.0),
+    "layers.0.ffn.experts.w1": ("muon", None, True, 1.0),  # stacked (E, out, in): Muon per expert matrix
+    "layers.1.ffn.experts.w2": ("muon", None, True, 1.0),
+    "mtp.0.ffn.experts.w3": ("muon", None, True, 1.0),
     "layers.0.ffn.shared_experts.w3.weight": ("muon", None, True, 1.0),
     "layers.1.engram.wkv.weight": ("muon", None, True, 5.0),
     "mtp.0.main_proj.weight": ("muon", None, True, 1.0),
@@ -91,6 +92,32 @@ def test_grouping_rules(fake_model, caplog):
     assert "mystery" in text and "sinkhorn: 5 tensors" in text
     assert any("mystery" in r.getMessage() for r in caplog.records)
     assert opt.summary.counts()["skip"][0] == 3  # the three MoE gate biases
+
+
+def test_real_model_experts_are_stacked_muon_and_nothing_is_unknown(caplog):
+    """The real Transformer (tiny): each stacked routed-expert weight is one Muon param of E matrices, no
+    parameter falls to an 'unknown' rule; the official per-expert (2-D) names still map to Muon too."""
+    from dsv41 import load_config
+    from dsv41.model.transformer import Transformer
+    from dsv41.optim.groups import assign
+
+    config = load_config("tiny")
+    model = Transformer(config)
+    with caplog.at_level(logging.WARNING, logger="dsv41.optim.groups"):
+        opt = build_optimizer(model, lr=1e-3)
+    assert opt.summary.notes() == [] and not caplog.records, opt.summary.notes()
+    placed = _placement(opt)
+    stacked = [n for n in placed if ".ffn.experts." in n]
+    E, dim, inter = config.n_routed_experts, config.dim, config.moe_inter_dim
+    assert len(stacked) == 3 * config.n_layers, stacked
+    params = dict(model.named_parameters())
+    for name in stacked:
+        assert placed[name] == ("muon", None, True, 1.0), name
+        want = (E, dim, inter) if name.endswith("w2") else (E, inter, dim)
+        assert tuple(params[name].shape) == want, name
+        assert opt.summary.assignments[name][1].rule == f"{E} stacked matrices, one by one"
+    per_expert = assign("layers.0.ffn.experts.3.w2.weight", torch.zeros(dim, inter, requires_grad=True), None)
+    assert (per_expert.optimizer, per_expert.heads, per_expert.rule) == ("muon", None, "matrix")
 
 
 def test_heads_for_overrides_config(fake_model):

@@ -158,3 +158,36 @@ def test_muon_rejects_vectors_and_bad_head_split():
     p.grad = torch.randn(10, 8)
     with pytest.raises(ValueError):
         Muon([p], heads=3).step()
+
+
+@pytest.mark.parametrize("batch_numel", [2**28, 2 * 24 * 40])  # stacked param in one call / in chunks of two
+@pytest.mark.parametrize("out_dim,in_dim", [(24, 40), (40, 24)])  # w1/w3 and w2 orientations
+def test_stacked_experts_equal_per_expert_muon(batch_numel, out_dim, in_dim):
+    """A GroupedExperts weight (E, out, in) under Muon = E separate (out, in) params of the old layout:
+    same gradients → same updates (momentum, decay, scale 0.18·√max(out, in) of one expert matrix)."""
+    E, lr, wd = 5, 2e-2, 0.1
+    w = torch.randn(E, out_dim, in_dim)
+    stacked = torch.nn.Parameter(w.clone())
+    split = [torch.nn.Parameter(w[i].clone()) for i in range(E)]
+    opt_stacked = Muon([stacked], lr=lr, weight_decay=wd, batch_numel=batch_numel)
+    opt_split = Muon(split, lr=lr, weight_decay=wd)
+    for _ in range(3):
+        g = torch.randn(E, out_dim, in_dim)
+        g[2] = 0  # an expert that got no token this step: zero gradient in both layouts
+        before = stacked.detach().clone()
+        stacked.grad = g.clone()
+        for i, p in enumerate(split):
+            p.grad = g[i].clone()
+        opt_stacked.step()
+        opt_split.step()
+        got = stacked.detach() - before  # (E, out, in) this step's change
+        want = torch.stack([p.detach() for p in split]) - before
+        rel = ((got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)).max().item()
+        assert rel < 1e-6, f"stacked vs per-expert update: max rel err {rel:.2e}"
+    # the scale is one expert matrix's: a fresh step's update RMS is 0.18 per expert
+    fresh = torch.nn.Parameter(torch.randn(E, out_dim, in_dim))
+    p0 = fresh.detach().clone()
+    fresh.grad = torch.randn(E, out_dim, in_dim)
+    Muon([fresh], lr=lr, weight_decay=0.0, batch_numel=batch_numel).step()
+    rms = ((p0 - fresh.detach()) / lr).square().mean(dim=(1, 2)).sqrt()
+    assert (rms - RMS_TARGET).abs().max() <= RMS_TOL, f"per-expert update RMS {rms.tolist()}"

@@ -8,12 +8,25 @@ Key ideas:
   that modality's own load (`update_bias`, `update_moe_biases`).
 - A small sequence-level balance loss (DeepSeek-V3) is computed in every training forward and left in
   `MoE.last_balance_loss`; the trainer adds `config.balance_loss_weight` (1e-4) times it to the loss.
-- Dispatch sorts the (token, slot) pairs by expert, runs each expert on one contiguous segment — as a
-  per-expert loop (the torch twin, any device/dtype) or as one `torch._grouped_mm` per projection
-  (bf16 on CUDA) — and un-sorts the results, so the cost is O(tokens · k), never O(tokens · experts).
+- Routed experts live stacked in one `GroupedExperts`: `w1`, `w3` (E, inter, dim), `w2` (E, dim, inter), the
+  (out, in) layout of nn.Linear per expert. State-dict hooks keep the release's names
+  (`experts.{i}.w{1,2,3}.weight`, views on save, one stack on load), so checkpoints, the FP8/MXFP4
+  formats and `load_state_dict(strict=True)` see the official per-expert tensors.
+- Dispatch sorts the (token, slot) pairs by expert (stable argsort), counts rows per expert with
+  `scatter_add_` and turns the counts into offsets with a cumsum — all on the device — then runs one
+  `torch._grouped_mm` per projection over transposed *views* of the stacked weights (cast only when
+  autocast computes in another dtype) and un-sorts with `index_copy_`. No host sync and no
+  data-dependent shape (every shape follows from N, k, E), so an eval forward can be captured in a CUDA
+  graph or compiled with `fullgraph=True`. The per-expert loop (reads the counts on the host) is the twin,
+  used where grouped_mm does not run. Cost O(tokens · k), never O(tokens · experts).
 
-Numerics follow the reference: the routing weight multiplies the SwiGLU hidden (in fp32) before `w2`,
-routed and shared outputs are summed in fp32, the result is cast back to the input dtype.
+Speed note (aten ops of one eval forward, tiny widths, 256 tokens, CPU, counted with
+`dsv41.testing.sync.OpCounter`; "kernels" = ops that are not views or bare allocations):
+before (the loop, then the default off CUDA) 142 ops / 91 kernels at E = 8, k = 2 and 4,900 / 3,019 at
+E = 384, k = 6 (the v41 routing); the old grouped path had 53 / 39 but re-stacked every expert's weights
+per call (3 `stack` copies, 3·E·inter·dim elements in all: ~27 GB bf16 per layer at v41 widths). Now grouped:
+50 ops / 37 kernels whatever E (3 of them `_grouped_mm`, none copying weights); the loop twin 167 / 93
+and 6,023 / 3,021.
 """
 
 from __future__ import annotations
@@ -95,7 +108,7 @@ def _swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None) -> Te
 
 
 class Expert(nn.Module):
-    """SwiGLU feed-forward: w2(silu(w1 x) · w3 x), with the reference's clamp."""
+    """SwiGLU feed-forward: w2(silu(w1 x) · w3 x), with the reference's clamp (the shared expert)."""
 
     def __init__(self, dim: int, inter_dim: int, swiglu_limit: float = 0.0) -> None:
         super().__init__()
@@ -110,29 +123,127 @@ class Expert(nn.Module):
         return self.w2(h.to(x.dtype))
 
 
-# ---------------------------------------------------------------------- routed-expert kernels
-def _experts_loop(experts: nn.ModuleList, xs: Tensor, ws: Tensor, counts: Tensor) -> Tensor:
-    """Torch twin: each expert on its contiguous segment of the expert-sorted rows."""
-    outs = []
-    start = 0
-    for i, n in enumerate(counts.tolist()):
-        if n:
-            outs.append(experts[i](xs[start:start + n], ws[start:start + n]))
-            start += n
-    return torch.cat(outs) if outs else xs.new_zeros(xs.shape)
+# ---------------------------------------------------------------------- routed experts, stacked
+_WEIGHTS = ("w1", "w2", "w3")
 
 
-def _experts_grouped(experts: nn.ModuleList, xs: Tensor, ws: Tensor, counts: Tensor) -> Tensor:
-    """All experts in one `torch._grouped_mm` per projection; weights stacked per call (differentiable)."""
-    offs = counts.cumsum(0).to(torch.int32)  # (E,) end row of each expert's segment
-    limit = experts[0].swiglu_limit
-    # Linear weights are (out, in); grouped_mm wants (E, in, out): a transposed (column-major) view.
-    # grouped_mm is not autocast-aware: cast the stacked weights to the activations' dtype
-    w1 = torch.stack([e.w1.weight for e in experts]).transpose(1, 2).to(xs.dtype)  # (E, dim, inter)
-    w3 = torch.stack([e.w3.weight for e in experts]).transpose(1, 2).to(xs.dtype)  # (E, dim, inter)
-    w2 = torch.stack([e.w2.weight for e in experts]).transpose(1, 2).to(xs.dtype)  # (E, inter, dim)
-    h = _swiglu(torch._grouped_mm(xs, w1, offs=offs), torch._grouped_mm(xs, w3, offs=offs), limit, ws)
-    return torch._grouped_mm(h.to(xs.dtype), w2, offs=offs)
+def _expert_name(prefix: str, i: int, w: str) -> str:
+    return f"{prefix}{i}.{w}.weight"  # the release's name of expert i's matrix w
+
+
+def _split_experts(module: GroupedExperts, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict post-hook: stacked `w1` (E, out, in) → `0.w1.weight`, `0.w2.weight`, ... (views, no copy)."""
+    stacked = {w: state_dict.pop(prefix + w) for w in _WEIGHTS}
+    for i in range(module.n_experts):  # expert-major, as the release's ModuleList of experts orders them
+        for w in _WEIGHTS:
+            state_dict[_expert_name(prefix, i, w)] = stacked[w][i]
+
+
+def _stack_experts(module: GroupedExperts, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                   missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    """load_state_dict pre-hook: the per-expert official tensors → one stacked tensor per projection.
+
+    All E present with the right shape: stacked (one copy). Otherwise each absent expert is reported
+    missing and each mis-shaped one as a size mismatch, by its official name; the others are copied into
+    their slices (what a non-strict load keeps). A stacked `w1` given directly is loaded as is.
+    """
+    for w in _WEIGHTS:
+        if prefix + w in state_dict:
+            continue
+        param = getattr(module, w)
+        names = [_expert_name(prefix, i, w) for i in range(module.n_experts)]
+        if all(n in state_dict and state_dict[n].shape == param.shape[1:] for n in names):
+            state_dict[prefix + w] = torch.stack([state_dict.pop(n) for n in names])  # (E, out, in)
+            continue
+        module._reported_missing.add(prefix + w)  # the post-hook drops the stacked name from `missing`
+        with torch.no_grad():
+            for i, n in enumerate(names):
+                if n not in state_dict:
+                    missing_keys.append(n)
+                    continue
+                t = state_dict.pop(n)
+                if t.shape != param.shape[1:]:
+                    error_msgs.append(f"size mismatch for {n}: copying a param with shape {tuple(t.shape)}, "
+                                      f"the model expects {tuple(param.shape[1:])}.")
+                elif param.device.type != "meta":
+                    param[i].copy_(t)
+
+
+def _drop_stacked_missing(module: GroupedExperts, incompatible_keys) -> None:
+    """load_state_dict post-hook: the stacked name is not reported missing when its experts were."""
+    for name in module._reported_missing:
+        while name in incompatible_keys.missing_keys:
+            incompatible_keys.missing_keys.remove(name)
+    module._reported_missing.clear()
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts' SwiGLU weights stacked as three parameters, one slice per expert.
+
+    `w1`, `w3` (E, inter, dim) and `w2` (E, dim, inter) keep nn.Linear's (out, in) layout, so `w1[i]`
+    is the release's `experts.{i}.w1.weight`; state-dict hooks write and read exactly those names
+    (`model.state_dict()` has no stacked tensor; `load_state_dict(strict=True)` takes the official
+    keys). The forward is one `torch._grouped_mm` per projection over transposed *views* — nothing
+    is restacked or copied per call.
+    """
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float = 0.0) -> None:
+        super().__init__()
+        self.n_experts, self.dim, self.inter_dim = n_experts, dim, inter_dim
+        self.swiglu_limit = swiglu_limit
+        self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))  # (E, inter, dim)
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))  # (E, dim, inter)
+        self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))  # (E, inter, dim)
+        self._reported_missing: set[str] = set()  # load bookkeeping between the two load hooks
+        self.register_state_dict_post_hook(_split_experts)
+        self.register_load_state_dict_pre_hook(_stack_experts)
+        self.register_load_state_dict_post_hook(_drop_stacked_missing)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default init per expert, U(±1/√in), drawn in the order separate Linears drew it."""
+        with torch.no_grad():
+            for i in range(self.n_experts):
+                for w in (self.w1, self.w2, self.w3):
+                    bound = w.shape[-1] ** -0.5
+                    w[i].uniform_(-bound, bound)
+
+    def expert(self, i: int, x: Tensor, weight: Tensor | None = None) -> Tensor:
+        """Expert i alone on x (n, dim): the per-expert twin of the grouped forward."""
+        h = _swiglu(F.linear(x, self.w1[i]), F.linear(x, self.w3[i]), self.swiglu_limit, weight)
+        return F.linear(h.to(x.dtype), self.w2[i])
+
+    def forward(self, xs: Tensor, ws: Tensor, counts: Tensor, grouped: bool = True) -> Tensor:
+        """xs (M, dim) rows sorted by expert, ws (M, 1) fp32 routing weights, counts (E,) rows per expert
+        (M = Σ counts) → (M, dim) in the dtype a Linear gives (xs.dtype, or autocast's). `grouped`: one
+        grouped_mm per projection (no host sync), else the per-expert loop (reads counts on the host)."""
+        return self._grouped(xs, ws, counts) if grouped else self._loop(xs, ws, counts)
+
+    def _loop(self, xs: Tensor, ws: Tensor, counts: Tensor) -> Tensor:
+        outs = []
+        start = 0
+        for i, n in enumerate(counts.tolist()):  # the twin may sync: it is the spec, not the fast path
+            if n:
+                outs.append(self.expert(i, xs[start:start + n], ws[start:start + n]))
+                start += n
+        return torch.cat(outs) if outs else xs.new_zeros(xs.shape)
+
+    def _grouped(self, xs: Tensor, ws: Tensor, counts: Tensor) -> Tensor:
+        offs = counts.cumsum(0, dtype=torch.int32)  # (E,) end row of each expert's segment, on the device
+        dtype = _compute_dtype(xs)
+        a = xs.to(dtype)  # grouped_mm is not autocast-aware: cast only when autocast asks for another dtype
+        # (E, out, in) → (E, in, out): a transposed view; `.to` returns the parameter itself when dtypes agree
+        w1, w2, w3 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
+        h = _swiglu(torch._grouped_mm(a, w1, offs=offs), torch._grouped_mm(a, w3, offs=offs), self.swiglu_limit, ws)
+        return torch._grouped_mm(h.to(dtype), w2, offs=offs)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a Linear would compute x in: the autocast dtype when autocast is on for x's device."""
+    device_type = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
 
 
 @functools.cache
@@ -152,12 +263,33 @@ def _grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+@functools.cache
+def _grouped_mm_traces(dtype: torch.dtype) -> bool:
+    """Does grouped_mm's meta kernel (what torch.compile traces with) accept `dtype`? Only bf16 in torch 2.13."""
+    try:
+        a = torch.empty(8, 32, device="meta", dtype=dtype)
+        b = torch.empty(2, 32, 16, device="meta", dtype=dtype)  # (E, in, out)
+        torch._grouped_mm(a, b, offs=torch.empty(2, device="meta", dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+@torch.compiler.assume_constant_result
+def _grouped_ok(device_type: str, dtype: torch.dtype, compiling: bool) -> bool:
+    """The probes' answer as a trace-time constant: torch.compile neither traces the probe nor breaks on it."""
+    works = hasattr(torch, "_grouped_mm") and _grouped_mm_works(torch.device(device_type), dtype)
+    return works and (not compiling or _grouped_mm_traces(dtype))
+
+
 def _use_grouped(impl: MoEImpl, x: Tensor) -> bool:
+    """"auto" probes once per (device, compute dtype), on the first forward, and that probe reads its result
+    on the host: run one forward before capturing a CUDA graph (every capture warms up anyway)."""
     if impl == "loop":
         return False
     if impl == "grouped":
         return True
-    return x.is_cuda and x.dtype == torch.bfloat16 and _grouped_mm_works(x.device, x.dtype)
+    return _grouped_ok(x.device.type, _compute_dtype(x), torch.compiler.is_compiling())
 
 
 # ---------------------------------------------------------------------- MoE
@@ -167,7 +299,9 @@ class MoE(nn.Module):
     After a training forward: `last_load = {"text": (E,), "image": (E,)}` int64 token counts per expert
     (padding excluded) and `last_balance_loss`, a differentiable scalar the caller scales by
     `config.balance_loss_weight`. Both are None after an eval forward. `moe_impl` picks the dispatch:
-    "auto" (grouped_mm for bf16 on CUDA when it works, else the loop), "loop" or "grouped".
+    "auto" (grouped_mm wherever the probe finds it working for the device and compute dtype — CPU fp32 /
+    bf16 in torch 2.13, CUDA bf16 — and, under torch.compile, only where its meta kernel traces: bf16; else
+    the loop), "loop" or "grouped".
     """
 
     def __init__(self, layer_id: int, config: ModelConfig, moe_impl: MoEImpl = "auto") -> None:
@@ -177,9 +311,7 @@ class MoE(nn.Module):
         self.bias_update_speed = config.bias_update_speed
         self.moe_impl: MoEImpl = moe_impl
         self.gate = Gate(layer_id, config)
-        self.experts = nn.ModuleList(
-            Expert(config.dim, config.moe_inter_dim, config.swiglu_limit) for _ in range(self.n_routed)
-        )
+        self.experts = GroupedExperts(self.n_routed, config.dim, config.moe_inter_dim, config.swiglu_limit)
         self.shared_experts = Expert(config.dim, config.moe_inter_dim, config.swiglu_limit)
         self.last_load: dict[str, Tensor] | None = None
         self.last_balance_loss: Tensor | None = None
@@ -197,13 +329,16 @@ class MoE(nn.Module):
         weights, indices, scores = self.gate(flat, img)  # (N, k), (N, k), (N, E)
 
         # Sort the N·k (token, slot) pairs by expert: each expert's rows become one contiguous segment.
-        order = indices.reshape(-1).argsort(stable=True)  # (N·k,)
-        counts = torch.bincount(indices.reshape(-1), minlength=self.n_routed)  # (E,)
-        xs = flat[order // k]  # (N·k, dim)
-        ws = weights.reshape(-1, 1)[order]  # (N·k, 1) fp32
-        run = _experts_grouped if _use_grouped(self.moe_impl, x) else _experts_loop
-        out = run(self.experts, xs, ws, counts)  # (N·k, dim), x.dtype, expert-sorted
-        out = out.new_empty(out.shape).index_copy(0, order, out)  # back to (token, slot) order
+        # Every shape below depends on N, k, E only, and nothing is read on the host (grouped path).
+        idx = indices.reshape(-1)  # (N·k,)
+        order = idx.argsort(stable=True)  # (N·k,)
+        counts = torch.zeros(self.n_routed, dtype=torch.long, device=x.device).scatter_add_(
+            0, idx, torch.ones_like(idx)
+        )  # (E,) rows per expert, on the device (no bincount: its output size is data-dependent)
+        xs = flat.index_select(0, order // k)  # (N·k, dim)
+        ws = weights.reshape(-1, 1).index_select(0, order)  # (N·k, 1) fp32
+        out = self.experts(xs, ws, counts, grouped=_use_grouped(self.moe_impl, x))  # (N·k, dim), expert-sorted
+        out = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, slot) order
         y = out.float().view(B * T, k, dim).sum(dim=1)  # (N, dim) fp32
         y = y + self.shared_experts(flat).float()
 
@@ -226,7 +361,7 @@ class MoE(nn.Module):
         k = indices.shape[1]
         load = {}
         for name, sel in (("text", keep & ~is_img), ("image", keep & is_img)):
-            ones = sel.long().repeat_interleave(k)  # (N·k,) 1 for counted slots; no boolean indexing/sync
+            ones = sel.long()[:, None].expand(-1, k).reshape(-1)  # (N·k,) 1 for counted slots, no sync
             load[name] = torch.zeros(self.n_routed, dtype=torch.long, device=indices.device).scatter_add_(
                 0, indices.reshape(-1), ones
             )
@@ -243,7 +378,7 @@ class MoE(nn.Module):
         m = torch.ones(B, T, device=scores.device) if token_mask is None else token_mask.float()  # (B, T)
         n_tok = m.sum(dim=1)  # (B,)
         chosen = torch.zeros(B, E, device=scores.device).scatter_add_(
-            1, indices.reshape(B, T * k), m.repeat_interleave(k, dim=1)
+            1, indices.reshape(B, T * k), m[:, :, None].expand(B, T, k).reshape(B, T * k)
         )  # (B, E) selections per expert
         denom = n_tok.clamp(min=1)
         f = chosen * (E / k) / denom[:, None]  # (B, E)
@@ -270,6 +405,20 @@ class MoE(nn.Module):
             n = load[name].to(device=bias.device, dtype=torch.float32)  # (E,)
             seen = (n.sum() > 0).float()  # no host sync: a zero step when the modality is absent
             bias.add_(speed * seen * torch.sign(n.mean() - n))
+
+
+def official_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """`named_parameters()` with each GroupedExperts' stacked weights as per-expert (out, in) views under
+    the release's names, in its order (`...experts.0.w1.weight`, `...experts.0.w2.weight`, ...): what an
+    initializer walking separate Linears saw (same names, same order of random draws)."""
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(module, GroupedExperts):
+            for i in range(module.n_experts):
+                for w in _WEIGHTS:
+                    yield _expert_name(prefix, i, w), getattr(module, w)[i]
+        else:
+            yield from module.named_parameters(prefix=module_name, recurse=False)
 
 
 def moe_modules(model: nn.Module) -> Iterator[tuple[str, MoE]]:

@@ -30,7 +30,7 @@ from dsv41.kernels import ops
 from dsv41.model.attention import Attention
 from dsv41.model.engram import Engram, NgramHasher
 from dsv41.model.mhc import hc_pre, identity_pre_mix
-from dsv41.model.moe import MoE
+from dsv41.model.moe import MoE, official_parameters
 from dsv41.model.norm import RMSNorm
 from dsv41.model.state import ForwardContext
 from dsv41.plan import LayerPlan, layer_plan
@@ -198,7 +198,7 @@ class Transformer(nn.Module):
         if seed is not None:
             torch.manual_seed(seed)
         c = self.config
-        for name, p in self.named_parameters():
+        for name, p in official_parameters(self):  # routed experts one (out, in) matrix at a time
             if p.dim() < 2:
                 continue
             if ".hc_" in f".{name}" or name.endswith("q_weight") or name.endswith("k_weight"):

@@ -6,7 +6,9 @@
     Muon, head-wise     attn.wq_b (n_heads), attn.indexer.wq_b (index_n_heads),
                         key projections attn.wkv, *compressor.wkv, indexer.wk (one KV head ⇒ heads=1)
     Muon                every other matrix (wq_a, wo_a, wo_b, compressor.wgate, indexer.weights_proj,
-                        ffn.gate, experts, shared_experts, engram.wkv, mtp.N.main_proj, projector)
+                        ffn.gate, experts, shared_experts, engram.wkv, mtp.N.main_proj, projector);
+                        the stacked routed experts `ffn.experts.w{1,2,3}` (E, out, in) are E matrices,
+                        each orthogonalized and scaled (0.18·√max(out, in)) on its own
     skipped             requires_grad=False (the MoE gate bias is updated by rule, not by gradient)
 
 Every `*.engram.*` parameter additionally gets lr × engram_lr_mult, whichever optimizer it lands in.
@@ -48,6 +50,7 @@ KNOWN_MUON = (
     re.compile(r"(^|\.)compressor\.wgate\.weight$"),
     re.compile(r"(^|\.)indexer\.weights_proj\.weight$"),
     re.compile(r"(^|\.)ffn\.(gate|(experts\.\d+|shared_experts)\.w[123])\.weight$"),
+    re.compile(r"(^|\.)ffn\.experts\.w[123]$"),  # GroupedExperts: (E, out, in), Muon per expert matrix
     re.compile(r"(^|\.)engram\.wkv\.weight$"),
     re.compile(r"(^|\.)mtp\.\d+\.(main_proj|[eh]_proj)\.weight$"),
     re.compile(r"projector\..*weight$"),  # vision–language projector
@@ -92,7 +95,8 @@ def assign(name: str, param: Tensor, heads_for: Callable[[str], int] | None, eng
     if _match(KEY_HEADWISE, name):
         return Assignment("muon", "key, head-wise (1 head)", heads=1, decay=True, lr_mult=lr_mult)
     if _match(KNOWN_MUON, name):
-        return Assignment("muon", "matrix", decay=True, lr_mult=lr_mult)
+        rule = "matrix" if param.ndim == 2 else f"{param.shape[0]} stacked matrices, one by one"
+        return Assignment("muon", rule, decay=True, lr_mult=lr_mult)
     if param.ndim > 2:
         rule = f"unknown {param.ndim}-D tensor (default Muon over its last two dims)"
     else:

@@ -59,11 +59,15 @@ def muon_scale(rows: int, cols: int, rms: float) -> float:
     return rms * max(rows, cols) ** 0.5
 
 
-def orthogonalize(updates: list[Tensor], heads: int | None, rms: float, **ns_kwargs) -> list[Tensor]:
-    """Orthogonalize same-shape updates in one batched Newton–Schulz call, per head if `heads` is set.
+def orthogonalize(updates: list[Tensor], heads: int | None, rms: float, batch_numel: int | None = None,
+                  **ns_kwargs) -> list[Tensor]:
+    """Orthogonalize same-shape updates in batched Newton–Schulz calls, per head if `heads` is set.
 
-    A param of shape (..., rows, cols) is a batch of matrices over its leading dims (fused MoE
-    experts); with `heads = h` each matrix is further split into h row blocks of rows/h.
+    A param of shape (..., rows, cols) is a batch of matrices over its leading dims (stacked MoE
+    experts: each expert's (rows, cols) matrix on its own, scaled as one); with `heads = h` each matrix
+    is further split into h row blocks of rows/h. `batch_numel` bounds the elements per call, splitting
+    even one param (384 stacked experts) into chunks of whole matrices; when it splits, the result is
+    written over the (temporary) updates instead of a new buffer.
     """
     shape = updates[0].shape
     rows, cols = shape[-2], shape[-1]
@@ -71,9 +75,18 @@ def orthogonalize(updates: list[Tensor], heads: int | None, rms: float, **ns_kwa
     if rows % h:
         raise ValueError(f"head-wise Muon: {rows} rows do not split into {h} heads")
     d = rows // h
-    stacked = torch.stack(updates).reshape(-1, d, cols)  # (len·batch·h, d, cols)
-    ortho = newton_schulz(stacked, **ns_kwargs) * muon_scale(d, cols, rms)
-    return list(ortho.reshape(len(updates), *shape).unbind(0))
+    # one update (a big stacked param) is viewed, not copied
+    stacked = updates[0].reshape(-1, d, cols) if len(updates) == 1 else torch.stack(updates).reshape(-1, d, cols)
+    # stacked: (len·batch·h, d, cols)
+    per_call = stacked.shape[0] if batch_numel is None else max(1, batch_numel // (d * cols))
+    scale = muon_scale(d, cols, rms)
+    if per_call >= stacked.shape[0]:
+        ortho = newton_schulz(stacked, **ns_kwargs) * scale
+    else:  # chunk by chunk, written over the input: the extra memory is one chunk's iteration
+        ortho = stacked
+        for start in range(0, stacked.shape[0], per_call):
+            ortho[start:start + per_call] = newton_schulz(stacked[start:start + per_call], **ns_kwargs) * scale
+    return list(ortho.reshape(len(updates), *shape).unbind(0))  # (len, *shape) → one tensor per update
 
 
 class Muon(torch.optim.Optimizer):
@@ -82,7 +95,8 @@ class Muon(torch.optim.Optimizer):
     p ← p·(1 − lr·wd) − lr · 0.18·√max(rows, cols) · NS(g + μ·buf),  buf ← μ·buf + g.
     Param groups may set `heads` (int | None). Within a group, params of one shape are
     orthogonalized together in batched calls of up to `batch_numel` elements (the experts of all
-    layers stack into one), instead of one small call per matrix.
+    layers stack into one), instead of one small call per matrix; a 3-D param (stacked experts, E
+    matrices) is a batch of its own, chunked the same way.
     """
 
     def __init__(
@@ -148,6 +162,7 @@ class Muon(torch.optim.Optimizer):
                         updates,
                         group["heads"],
                         group["rms"],
+                        batch_numel=group["batch_numel"],
                         steps=tuple(group["ns_steps"]),
                         dtype=group["ns_dtype"],
                     )

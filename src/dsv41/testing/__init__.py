@@ -1,0 +1,1 @@
+"""Test helpers that ship with the package (the engine's tests reuse them): host-sync detection, op counts."""
