@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from dsv41.config import ModelConfig
 
-MoEImpl = Literal["auto", "loop", "grouped"]
+MoEImpl = Literal["auto", "loop", "grouped", "dense"]
 
 
 class Gate(nn.Module):
@@ -219,6 +219,21 @@ class GroupedExperts(nn.Module):
         grouped_mm per projection (no host sync), else the per-expert loop (reads counts on the host)."""
         return self._grouped(xs, ws, counts) if grouped else self._loop(xs, ws, counts)
 
+    def dense(self, x: Tensor, route: Tensor) -> Tensor:
+        """Every expert on every row, weighted by `route` (N, E) fp32 (0 where not chosen): x (N, dim) →
+        Σ_e route_e · expert_e(x) (N, dim) fp32. Same rounding steps as the grouped path (fp32 SwiGLU ×
+        weight, rounded, w2 in the compute dtype, fp32 sum); no sort and no grouped GEMM, so it is static
+        and CUDA-graph capturable (torch 2.11's grouped_mm copies from pageable host memory). Costs E/k
+        times the routed FLOPs: for few experts (the engine uses it for E ≤ 4k)."""
+        N, E, inter = x.size(0), self.n_experts, self.inter_dim
+        dtype = _compute_dtype(x)
+        a = x.to(dtype)
+        g = F.linear(a, self.w1.to(dtype).view(E * inter, -1))  # (N, E·inter): every expert's w1 in one GEMM
+        u = F.linear(a, self.w3.to(dtype).view(E * inter, -1))
+        h = _swiglu(g, u, self.swiglu_limit, None).view(N, E, inter) * route.unsqueeze(-1)  # (N, E, inter) fp32
+        out = torch.bmm(h.to(dtype).transpose(0, 1), self.w2.to(dtype).transpose(1, 2))  # (E, N, dim)
+        return out.float().sum(0)
+
     def _loop(self, xs: Tensor, ws: Tensor, counts: Tensor) -> Tensor:
         outs = []
         start = 0
@@ -301,7 +316,7 @@ class MoE(nn.Module):
     `config.balance_loss_weight`. Both are None after an eval forward. `moe_impl` picks the dispatch:
     "auto" (grouped_mm wherever the probe finds it working for the device and compute dtype — CPU fp32 /
     bf16 in torch 2.13, CUDA bf16 — and, under torch.compile, only where its meta kernel traces: bf16; else
-    the loop), "loop" or "grouped".
+    the loop), "loop", "grouped" or "dense" (every expert on every token, `GroupedExperts.dense`).
     """
 
     def __init__(self, layer_id: int, config: ModelConfig, moe_impl: MoEImpl = "auto") -> None:
@@ -327,6 +342,10 @@ class MoE(nn.Module):
             image_mask = None  # a text-only model routes every token with `bias`
         img = image_mask.reshape(B * T) if image_mask is not None else None  # (N,)
         weights, indices, scores = self.gate(flat, img)  # (N, k), (N, k), (N, E)
+        if self.moe_impl == "dense":
+            route = torch.zeros_like(scores).scatter_(1, indices, weights)  # (N, E) weight of each chosen expert
+            y = self.experts.dense(flat, route) + self.shared_experts(flat).float()
+            return self._finish(y, x, scores, indices, img, token_mask)
 
         # Sort the N·k (token, slot) pairs by expert: each expert's rows become one contiguous segment.
         # Every shape below depends on N, k, E only, and nothing is read on the host (grouped path).
@@ -341,7 +360,13 @@ class MoE(nn.Module):
         out = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, slot) order
         y = out.float().view(B * T, k, dim).sum(dim=1)  # (N, dim) fp32
         y = y + self.shared_experts(flat).float()
+        return self._finish(y, x, scores, indices, img, token_mask)
 
+    def _finish(self, y: Tensor, x: Tensor, scores: Tensor, indices: Tensor, img: Tensor | None,
+                token_mask: Tensor | None) -> Tensor:
+        """Record the training statistics; y (N, dim) fp32 → x's dtype and shape."""
+        B, T, dim = x.shape
+        k = self.topk
         if self.training:
             valid = token_mask.reshape(B * T) if token_mask is not None else None
             self.last_load = self._loads(indices, img, valid)
