@@ -223,3 +223,27 @@ def rope_quantize(x: Tensor, cos: Tensor, sin: Tensor, fmt: str, out_rows: Tenso
     if fmt not in CACHE_FORMATS:
         raise ValueError(f"rope_quantize: fmt must be one of {CACHE_FORMATS}, got {fmt!r}")
     _impl("cache_write", "rope_quantize", x, out_rows)(x, cos, sin, fmt, out_rows, row_index)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """Rotate the last 2·cos.size(-1) channels of x (B, T, [H,] D) as adjacent pairs by the angles
+    (cos, sin) (B, T, R/2) — by their negatives when `inverse` — in fp32, rounded to x's dtype; the
+    other channels are copied. Equals `model.rope.apply_rope` bit for bit. One kernel on CUDA."""
+    return _impl("cache_write", "rope", x, cos, sin)(x, cos, sin, inverse)
+
+
+def rope_fake_quant(x: Tensor, cos: Tensor, sin: Tensor, fmt: str) -> Tensor:
+    """`rope`, then the FP4 fake-quant of cache format `fmt` ("kv_fp4": E4M3 scale per 16; "index_fp4":
+    E8M0 per 32) — the values a packed row of `rope_quantize` dequantizes to — in x's dtype. Equals
+    `quant.fp4.fake_quant_fp4(apply_rope(x))` bit for bit. One kernel on CUDA."""
+    return _impl("cache_write", "rope_fake_quant", x, cos, sin)(x, cos, sin, fmt)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight · x / sqrt(mean(x²) + eps) over the last dim in fp32, in x's dtype (`model.norm.RMSNorm`).
+    The Triton kernel agrees with the twin to fp32 rounding (reduction order). One kernel on CUDA."""
+    return _impl("norm", "rms_norm", x, weight, supported=x.dtype in _MHC_FLOATS | {torch.float16})(x, weight, eps)
