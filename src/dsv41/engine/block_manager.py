@@ -110,14 +110,15 @@ class BlockManager:
             n_pages = pages_for(-(-self.max_tokens // m), page_rows) + max_slots
             width = pages_for(-(-self.max_seq_len // m), page_rows)
             table_host = torch.zeros(S, width, dtype=torch.int32)
-            pend = (lambda: torch.zeros(S, m - 1, c.head_dim, dtype=torch.float32, device=self.device)) \
-                if m > 1 else (lambda: None)
+            pend_shape = (S, m - 1, c.head_dim)
             self.sources[p.layer_id] = SourcePool(
                 p.layer_id, m,
                 kv=torch.zeros(n_pages, page_rows, kv_bytes, dtype=torch.uint8, device=self.device),
                 index=torch.zeros(n_pages, page_rows, index_bytes, dtype=torch.uint8, device=self.device),
                 table=torch.zeros(S, width, dtype=torch.int32, device=self.device),
-                table_host=table_host, pending_kv=pend(), pending_score=pend())
+                table_host=table_host,
+                pending_kv=torch.zeros(pend_shape, device=self.device) if m > 1 else None,
+                pending_score=torch.zeros(pend_shape, device=self.device) if m > 1 else None)
             self._free_pages[p.layer_id] = list(range(n_pages - 1, -1, -1))  # pop() hands out 0, 1, …
         self.window = c.window_size
         self.ring_bytes = CACHE_LAYOUTS["window_fp8"].row_bytes(c.head_dim)

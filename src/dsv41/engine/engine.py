@@ -61,6 +61,19 @@ class EngineStats:
     extra: dict = field(default_factory=dict)
 
 
+def _keep_fp32_weights_in_fp32(model: Transformer) -> None:
+    """Weights the model only ever multiplies in fp32 (router, ratio > 1 compressors, head) are stored
+    in fp32 — the same values, one cast per call fewer (a decode step launches ~40 kernels less)."""
+    weights = [model.head.weight] + [moe.gate.weight for moe in model.moe_layers()]
+    for layer in model.layers:
+        comp = getattr(layer.attn, "compressor", None)
+        if comp is not None and comp.ratio > 1:
+            weights += [comp.wkv.weight, comp.wgate.weight]
+    for w in weights:
+        if w.dtype != torch.float32:
+            w.data = w.data.float()
+
+
 class Engine:
     def __init__(self, model: Transformer, *, prefill_chunk: int = 2048, max_batch: int = 64,
                  token_budget: int | None = None, exact_prefill: bool = False,
@@ -85,6 +98,11 @@ class Engine:
         self.io = DecodeIO(c, self.pools, max_batch)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self.runner, self.io, min_entries=graph_min_entries) if use_graphs else None
+        if use_graphs:  # capturable MoE dispatch: every expert on every token, when experts are few
+            for moe in model.moe_layers():
+                if moe.n_routed <= 4 * moe.topk:
+                    moe.moe_impl = "dense"
+        _keep_fp32_weights_in_fp32(model)
         self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch)
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -206,7 +224,13 @@ class Engine:
             Bb, n_max = self.graphs.shape(B, n_entries)
             io.pad(B, Bb)
             io.send()
-            logits = self.graphs.run(B, n_max)
+            try:
+                logits = self.graphs.run(B, n_max)
+            except RuntimeError as err:  # a kernel that cannot be captured: decode eagerly from now on
+                log.warning("CUDA-graph capture failed (%s); decoding eagerly", err)
+                self.graphs = None
+                torch.cuda.synchronize()
+                logits = self.runner.decode(io, Bb, n_max)[:B]
         else:
             io.send()
             logits = self.runner.decode(io, B, n_entries)

@@ -59,6 +59,15 @@ class StepRecord:
     write_rows: dict[int, Tensor] = field(default_factory=dict)  # static: (B, 1) entry row, −1 = none
     topk: Tensor | None = None  # (B, T, K) entry indices, −1 = none
     blocks: Tensor | None = None  # (B, T, kb) candidate block ids of the candidate source, −1 = none
+    rotations: dict[bool, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    def angles(self, attn) -> tuple[Tensor, Tensor]:
+        """cos, sin of the tokens' positions for a layer, computed once per forward for each of the two
+        frequency sets (`rope.layer_frequencies`: window-only layers, compressed layers)."""
+        key = attn.ratio > 0
+        if key not in self.rotations:
+            self.rotations[key] = attn.angles(self.positions)
+        return self.rotations[key]
 
 
 class Runner:
@@ -156,7 +165,7 @@ class Runner:
         pools = record.pools
         B, T, _ = x.shape
         W = attn.window
-        cos, sin = attn.angles(record.positions)
+        cos, sin = record.angles(attn)
         qr, q = attn.query(x, cos, sin)
         kv = attn.kv_norm(attn.wkv(x))  # (B, T, D) before RoPE and FP8
         ring_rows = pools.ring_rows[layer_id].view(-1, pools.ring_bytes)  # (S·W, bytes)
