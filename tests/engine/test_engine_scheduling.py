@@ -18,7 +18,10 @@ from tests.conftest import engine_test_model
 from dsv41 import load_config
 from dsv41.accounting import compute
 from dsv41.engine.block_manager import BlockManager, pages_for
+from dsv41.engine.cache import SequenceCache
 from dsv41.engine.engine import Engine
+from dsv41.engine.prefill import PrefillJob
+from dsv41.engine.runner import Runner
 from dsv41.engine.sampling import SamplingParams
 
 
@@ -94,12 +97,12 @@ def test_cached_decode_equals_the_full_forward_across_pages_with_sequences_joini
 
 
 def test_chunked_prefill_mixed_with_decodes_equals_each_request_alone(monkeypatch):
-    """Encoder-only prefill cut into pieces of any size and interleaved with other requests'
-    decode steps = the request alone with one-shot prefill (logits and greedy tokens)."""
+    """Encoder-only prefill cut into pieces and interleaved with other requests' decode steps = the
+    request alone with one-shot prefill (logits and greedy tokens)."""
     torch.manual_seed(41)
     model = engine_test_model(41)
     V = model.config.vocab_size
-    lengths, outputs = [70, 7, 45, 100], [4, 7, 5, 3]
+    lengths, outputs = [70, 7, 45, 90], [4, 6, 5, 3]
     prompts = [torch.randint(3, V, (n,)).tolist() for n in lengths]
     seen = spy_logits(monkeypatch)
     alone = []
@@ -110,19 +113,41 @@ def test_chunked_prefill_mixed_with_decodes_equals_each_request_alone(monkeypatc
         while not seq.finished:
             engine.step()
         alone.append((seq.output, list(seen[seq.id])))
+    seen.clear()
+    engine = Engine(model, max_batch=3, prefill_chunk=5, token_budget=9, page_rows=8, max_seq_len=128, max_tokens=400)
+    seqs = run_all(engine, prompts, outputs, arrive_every=2)
+    assert engine.stats.prefill_pieces > len(prompts) * 3  # cut into pieces
     errs = []
-    for chunk, budget in ((5, 9), (16, 19)):
-        seen.clear()
-        engine = Engine(model, max_batch=3, prefill_chunk=chunk, token_budget=budget, page_rows=8,
-                        max_seq_len=128, max_tokens=400)
-        seqs = run_all(engine, prompts, outputs, arrive_every=2)
-        assert engine.stats.prefill_pieces > len(prompts) * 3  # cut into pieces
-        for seq, (out, rows) in zip(seqs, alone):
-            errs += [rel_err(a, b) for a, b in zip(seen[seq.id], rows)]
-            assert seq.output == out, f"chunk {chunk}: request {seq.id} tokens differ"
+    for seq, (out, rows) in zip(seqs, alone):
+        errs += [rel_err(a, b) for a, b in zip(seen[seq.id], rows)]
+        assert seq.output == out, f"request {seq.id} tokens differ"
     errs = torch.tensor(errs)
     print(f"rel err vs alone with one-shot prefill: median {errs.median():.2e}, max {errs.max():.2e}")
     assert errs.max() <= FLIP_RTOL and errs.median() <= 1e-5
+
+
+@pytest.mark.parametrize("pieces", [[3] * 30, [1, 2, 13, 50, 4], [7, 7, 56]])
+def test_prefill_in_pieces_of_any_size_equals_one_shot(pieces):
+    """The same prompt through `PrefillJob` in pieces of arbitrary sizes (odd ones cut compression
+    groups and the window) gives one-shot prefill's logits and cache bytes."""
+    torch.manual_seed(45)
+    model = engine_test_model(45)
+    prompt = torch.randint(3, model.config.vocab_size, (sum(pieces),)).tolist()
+    runner = Runner(model)
+    job_one = PrefillJob(runner, SequenceCache(model.config), prompt, chunk=4096)
+    while (ref := job_one.step()) is None:
+        pass
+    cache = SequenceCache(model.config)
+    job = PrefillJob(runner, cache, prompt, chunk=4096)
+    for n in pieces:
+        assert job.step(n) is None
+    got = job.step()  # the decoder replay
+    assert rel_err(got, ref) <= 1e-5, rel_err(got, ref)
+    for s, store in cache.entry_stores.items():
+        other = job_one.seq.entry_stores[s]
+        assert store.n_entries == other.n_entries == len(prompt) // store.ratio
+        diff = (store.entries() - other.entries()).abs().max().item()
+        assert diff <= 1e-5 * other.entries().abs().max().item() + 1e-6, (s, diff)
 
 
 def test_seeded_sampling_in_a_batch_equals_alone():
