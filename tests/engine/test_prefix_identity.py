@@ -22,6 +22,12 @@ SYSTEM = ("You are the harbour master's assistant. Answer questions about tides,
           "timetable, briefly and politely, and say so when you do not know.")
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    torch.set_num_threads(1)  # the engine runs here: one thread (two spin against each other on a busy box)
+    yield
+
+
 @pytest.fixture(scope="module")
 def tok():
     return load_tokenizer()
