@@ -267,8 +267,8 @@ def test_schemathesis_negative_cases_from_the_openapi_document(fuzz):
     for op in posts:
         t0 = time.monotonic()
 
-        @settings(max_examples=30 if op.path in slow_to_generate else 60, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(max_examples=30 if op.path in slow_to_generate else 60, deadline=None, database=None,
+                  derandomize=True, suppress_health_check=list(HealthCheck))
         @given(op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
         def one(case):
             send(case.operation.path, case)
