@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 DEFAULT_BODY_TIMEOUT_S = 30.0
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+LARGE_BODY_BYTES = 256 * 1024  # bodies above this are parsed on a worker thread
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "TextStream", "create_app"]
 
@@ -178,16 +179,8 @@ def _check_text(value: Any, path: str = "") -> None:
             stack.extend((x, f"{where}.[{i}]") for i, x in enumerate(v))
 
 
-async def read_json(request: Request) -> Any:
-    """The JSON body: Content-Type must be JSON, the bytes valid UTF-8, no NaN / Infinity, no lone surrogates."""
-    ctype = request.headers.get("content-type")
-    mime = (ctype or "").split(";")[0].strip().lower()
-    if mime != "application/json" and not mime.endswith("+json"):
-        raise P.APIError(415, f"Content-Type must be application/json, got {ctype!r}", code="unsupported_media_type")
-    raw = await request.body()
-    if not raw.strip():
-        raise P.APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
-
+def parse_json(raw: bytes) -> Any:
+    """Body bytes → JSON value: valid UTF-8, no NaN / Infinity, no lone surrogates (APIError otherwise)."""
     def no_constants(name: str):
         raise ValueError(f"{name} is not valid JSON")
 
@@ -197,8 +190,24 @@ async def read_json(request: Request) -> Any:
         raise P.APIError(400, f"the body is not valid UTF-8: {e}", code="invalid_utf8") from None
     except (ValueError, RecursionError) as e:
         raise P.APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-    _check_text(body)
+    if b"\\u" in raw:  # a lone surrogate only comes from a \uD8xx escape (raw surrogate bytes fail the decode)
+        _check_text(body)
     return body
+
+
+async def read_json(request: Request, run=None) -> Any:
+    """The JSON body: Content-Type must be JSON, then `parse_json` (on `run`'s worker thread for large bodies, so
+    the event loop is free between the parser's C calls)."""
+    ctype = request.headers.get("content-type")
+    mime = (ctype or "").split(";")[0].strip().lower()
+    if mime != "application/json" and not mime.endswith("+json"):
+        raise P.APIError(415, f"Content-Type must be application/json, got {ctype!r}", code="unsupported_media_type")
+    raw = await request.body()
+    if not raw.strip():
+        raise P.APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    if run is not None and len(raw) > LARGE_BODY_BYTES:
+        return await run(parse_json, raw)
+    return parse_json(raw)
 
 
 def create_app(scheduler: Scheduler, tok, *, model_name: str, max_model_len: int,
@@ -275,7 +284,11 @@ def create_app(scheduler: Scheduler, tok, *, model_name: str, max_model_len: int
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return _json_error(500, "internal server error", type="server_error", code="internal_error")
 
-    routes.register(app, serving, metrics, require_key, read_json)
+    async def read_body(request: Request) -> Any:
+        loop = asyncio.get_running_loop()
+        return await read_json(request, lambda fn, *a: loop.run_in_executor(serving.executor, fn, *a))
+
+    routes.register(app, serving, metrics, require_key, read_body)
     _install_openapi(app)
     paths = {r.path for r in app.routes if hasattr(r, "path")}
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, timeout_s=body_timeout_s)

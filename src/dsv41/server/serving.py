@@ -31,6 +31,7 @@ from dsv41.engine.sampling import SamplingParams
 from dsv41.server import protocol as P
 from dsv41.server.detokenize import Delta, TextStream, TokenText, ToolCall
 from dsv41.server.scheduler import Failure, Finish, QueueFull, Scheduler, ShuttingDown, Ticket, Token, TooLarge
+from dsv41.train.tokenizer import chat_segments
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class Serving:
         self.model_name, self.max_model_len = model_name, max_model_len
         self.vocab_size = scheduler.engine.config.vocab_size
         self.token_text = TokenText(tok)
+        # every token covers at most this many bytes of text: a prompt of more than max_model_len times as many
+        # bytes cannot fit, and is refused without being tokenized (seconds of CPU for a multi-megabyte prompt)
+        self.max_token_bytes = max(len(self.token_text.token_bytes(i)) for i in range(tok.vocab_size))
         self.executor = ThreadPoolExecutor(max_workers=max(1, tokenize_workers), thread_name_prefix="dsv41-tok",
                                            initializer=_lower_priority)
         self.tokenize_slots = asyncio.Semaphore(max(1, max_concurrent_tokenize))
@@ -84,10 +88,22 @@ class Serving:
         async with self.tokenize_slots:
             return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    def check_text_length(self, n_bytes: int, param: str) -> None:
+        """400 context_length_exceeded for text that needs more tokens than the context, before tokenizing it."""
+        at_least = -(-n_bytes // self.max_token_bytes)
+        if at_least >= self.max_model_len:
+            raise P.APIError(400, f"the prompt has {n_bytes} bytes of text, so at least {at_least} tokens; this "
+                                  f"model's context is {self.max_model_len} tokens", param=param,
+                             code="context_length_exceeded")
+
     async def encode_prompt(self, text: str) -> list[int]:
+        self.check_text_length(len(text.encode("utf-8")), "prompt")
         return (await self.off_loop(self.tok.encode_batch, [text], True))[0]
 
     async def encode_chat(self, messages: list[dict], effort: int | None, tools: list[dict] | None) -> list[int]:
+        literal = sum(len(t.encode("utf-8")) for t, control in chat_segments(messages, True, effort, tools)
+                      if not control)
+        self.check_text_length(literal, "messages")
         return await self.off_loop(lambda: self.tok.encode_chat(messages, True, effort, tools))
 
     async def decode(self, ids: list[int], skip_special: bool) -> str:
