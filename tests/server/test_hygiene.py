@@ -89,7 +89,17 @@ def test_cors_is_opt_in(server, start_server):
     assert r.headers.get("access-control-allow-origin") != "https://evil.example"
 
 
-def test_health_answers_while_a_huge_prompt_is_tokenized(server):
+def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing(server):
+    serving = server.app.state.serving
+    limit = serving.max_token_bytes * serving.max_model_len  # bytes no prompt that fits can exceed
+    r = httpx.post(server.base_url + "/completions", json={**BODY, "prompt": "a" * limit}, timeout=30)
+    assert r.status_code == 400 and error(r)["code"] == "context_length_exceeded" and "bytes" in error(r)["message"]
+    r = httpx.post(server.base_url + "/completions", json={**BODY, "prompt": "a" * (limit // 8)}, timeout=30)
+    assert r.status_code == 400 and "bytes" not in error(r)["message"]  # tokenized, then refused by count
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(server, monkeypatch):
+    monkeypatch.setattr(server.app.state.serving, "max_token_bytes", 10**9)  # as for a long-context model
     prompt = "The quick brown fox jumps over the lazy dog. " * 80_000  # 3.6 MB: seconds of BPE
     result = {}
 
