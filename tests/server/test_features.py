@@ -16,7 +16,7 @@ from tests.server.conftest import MODEL_NAME
 import dsv41.engine.engine as engine_module
 from dsv41.engine.engine import Engine, StepOutput
 from dsv41.engine.sampling import token_logprobs
-from dsv41.server.detokenize import TextStream
+from dsv41.server.detokenize import TextStream, TokenText
 from dsv41.train.tokenizer import TOOL_CALL_BEGIN, TOOL_CALL_END
 
 KEY = "features-key"
@@ -57,8 +57,9 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
 
 
-def reference(model, prompt_ids: list[int], n: int, stop_ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and each step's fp64 log-softmax, straight from an engine of the same model."""
+def reference(model, prompt_ids: list[int], n: int, stop_ids: list[int],
+              **sampling) -> tuple[list[int], list[torch.Tensor]]:
+    """Tokens (greedy, or sampled with a seed) and each step's fp64 log-softmax, straight from an engine."""
     engine, steps = Engine(model), []
     original = engine._emit
 
@@ -67,22 +68,27 @@ def reference(model, prompt_ids: list[int], n: int, stop_ids: list[int]) -> tupl
         return original(reqs, logits)
 
     engine._emit = capture
-    return engine.generate([prompt_ids], max_tokens=n, stop_token_ids=stop_ids)[0], steps
+    return engine.generate([prompt_ids], max_tokens=n, stop_token_ids=stop_ids, **sampling)[0], steps
 
 
 def test_completion_logprobs_equal_the_engine(client, tiny):
     model, tok = tiny
+    text = TokenText(tok)
     ids = tok.encode(PROMPT, add_bos=True)
-    tokens, steps = reference(model, ids, 6, [tok.eos_id])
-    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    # sampled (seeded), so the chosen tokens are not all the most likely ones
+    tokens, steps = reference(model, ids, 8, [tok.eos_id], temperature=1.5, seed=5)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=1.5, seed=5, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == len(tokens)
+    assert any(steps[i][t] < steps[i].max() for i, t in enumerate(tokens))
     for i, t in enumerate(tokens):
         assert abs(lp.token_logprobs[i] - steps[i][t].item()) < 1e-4, (i, lp.token_logprobs[i], steps[i][t].item())
         best = torch.topk(steps[i], 3).indices.tolist()
+        expected: dict[str, float] = {}
+        for b in best:  # descending: the first id with a given text carries it
+            expected.setdefault(text.token_str(b), steps[i][b].item())
         got = lp.top_logprobs[i]
-        assert len(got) == len({tok.decode([b]) for b in best}) and all(abs(v - steps[i][b].item()) < 1e-4
-                                                                     for b, v in zip(best, got.values()))
+        assert got.keys() == expected.keys() and all(abs(got[k] - v) < 1e-4 for k, v in expected.items())
     assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
 
 

@@ -348,8 +348,16 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
         offsets.append(at)
         at += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [_first_per_token(e["top_logprobs"]) for e in entries],
             "text_offset": offsets}
+
+
+def _first_per_token(top: list[dict]) -> dict[str, float]:
+    """{token text: logprob}; two ids with the same text keep the more likely one (the list is descending)."""
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t["token"], t["logprob"])
+    return out
 
 
 def tool_call_body(call_id: str, index: int, name: str, arguments: str, with_index: bool = False) -> dict:
