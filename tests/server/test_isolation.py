@@ -81,8 +81,9 @@ def exploding_sampler(monkeypatch):
                           "fails the whole batch")
 def test_a_request_crashing_inside_the_sampler_fails_only_itself(start_server, exploding_sampler):
     server = start_server(max_batch=8)
-    body = {"model": MODEL_NAME, "prompt": "The river", "max_tokens": 24, "temperature": 0, "stream": True}
+    body = {"model": MODEL_NAME, "prompt": "The river", "max_tokens": 120, "temperature": 0, "stream": True}
     results: dict[str, tuple[bool, bool]] = {}  # name → (saw an error event, saw [DONE])
+    running = {f"good{i}": threading.Event() for i in range(3)}
 
     def stream(name: str, **extra) -> None:
         error = done = False
@@ -94,11 +95,15 @@ def test_a_request_crashing_inside_the_sampler_fails_only_itself(start_server, e
             for line in r.iter_lines():
                 error |= line.startswith("data: {\"error\"")
                 done |= line == "data: [DONE]"
+                if name in running and line.startswith("data: {"):
+                    running[name].set()
         results[name] = (error, done)
 
     threads = [threading.Thread(target=stream, args=(f"good{i}",)) for i in range(3)]
     for t in threads:
         t.start()
+    for event in running.values():  # the good streams are decoding when the bad request arrives
+        assert event.wait(60)
     stream("bad", temperature=1.0, seed=BOOM_SEED)
     for t in threads:
         t.join(60)

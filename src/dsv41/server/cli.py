@@ -218,8 +218,10 @@ def run(args: argparse.Namespace) -> int:
                                   cors_origins=cors, body_timeout_s=args.body_timeout,
                                   max_concurrent_tokenize=args.max_concurrent_tokenize)
     if not _is_loopback(args.host):
-        log.warning("binding %s: reachable beyond this machine%s", args.host,
-                    "" if keys else " and WITHOUT an API key")
+        log.warning("binding %s: reachable beyond this machine%s%s", args.host,
+                    "" if keys else " and WITHOUT an API key",
+                    "" if args.allowed_hosts else "; only Host headers naming loopback or the bound address are "
+                                                  "accepted: pass --allowed-hosts with the names clients use")
     log.info("serving '%s' on http://%s:%d/v1 (max batch %d, queue %d, KV budget %.2f GiB)", name, args.host,
              args.port, args.max_batch, args.max_queue, scheduler.budget.capacity / 2**30)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
