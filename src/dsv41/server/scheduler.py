@@ -20,7 +20,18 @@ A cancelled request (client gone, stop string matched) is removed from the engin
 between steps, and its reservation is released. A request past its deadline is cut: still queued →
 `Failure(503, "timeout")`; already generating → `Finish("length")` with the tokens produced so far.
 
-Policy only: no torch here. The engine is used through `add_request`, `step`, `abort`, `running`, `waiting`.
+Isolation: a request that fails alone (the engine's `StepOutput.error`, or `add_request` refusing it) gets
+its own `Failure` and the batch goes on; only an exception out of `engine.step()` itself fails the requests
+of that batch (the engine's state for them is unknown), and the scheduler keeps serving.
+
+Draining (graceful shutdown, `begin_drain`): new submissions are refused (`ShuttingDown`, HTTP 503), running
+and queued requests go on until the drain deadline, then each remaining one gets `Failure(503, "shutdown")`.
+
+Prefix-cache namespaces (cache salt, API key) are handed to the engine's prefix cache with each request
+(`PrefixCache.expect`, until the engine passes them itself).
+
+Policy only: no torch here. The engine is used through `add_request`, `step`, `abort`, `running`, `waiting`,
+`has_work` and `prefix_cache`.
 """
 
 from __future__ import annotations
@@ -43,6 +54,8 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class Token:
     token: int
+    logprob: float | None = None  # log-softmax of the unmodified logits (SamplingParams.logprobs set)
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass(slots=True)
@@ -73,6 +86,10 @@ class TooLarge(Exception):
     pass
 
 
+class ShuttingDown(Exception):
+    pass
+
+
 @dataclass(eq=False)
 class Ticket:
     """One request's life in the scheduler (handler side reads only `done`)."""
@@ -84,6 +101,7 @@ class Ticket:
     kv_bytes: int  # reservation against the KV budget
     arrival: float
     deadline: float | None
+    namespace: str | None = None  # prefix-cache namespace (tenant)
     request: Any = None  # the engine's Request once admitted
     done: bool = False
     n_emitted: int = 0
@@ -140,9 +158,14 @@ class Scheduler:
         self.kv_used_bytes = 0  # measured after each step (engine thread writes, anyone reads)
         self.steps = 0
         self.fatal: str | None = None
+        self.draining = False
+        self._drain_deadline: float | None = None
 
     # ------------------------------------------------------------------ handler side (any thread)
-    def submit(self, prompt: list[int], params: SamplingParams, deliver: Callable[[Event], None]) -> Ticket:
+    def submit(self, prompt: list[int], params: SamplingParams, deliver: Callable[[Event], None],
+               namespace: str | None = None) -> Ticket:
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; retry on another instance")
         kv = kv_estimate(len(prompt), params.max_tokens, self.bytes_per_token, self.window_bytes)
         if kv > self.budget.capacity:
             raise TooLarge(f"the request needs up to {kv} bytes of KV cache ({len(prompt)} prompt + "
@@ -153,7 +176,7 @@ class Scheduler:
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the server's waiting queue is full ({self.max_queue} requests); retry later")
             ticket = Ticket(next(self._ids), prompt, params, deliver, kv, now,
-                            now + self.timeout_s if self.timeout_s else None)
+                            now + self.timeout_s if self.timeout_s else None, namespace)
             self._queue.append(ticket)
             self._cond.notify()
         return ticket
@@ -183,12 +206,29 @@ class Scheduler:
             self._thread = threading.Thread(target=self._run, name="dsv41-engine", daemon=True)
             self._thread.start()
 
+    def begin_drain(self, timeout_s: float) -> None:
+        """Stop admission now; requests still unfinished after `timeout_s` end with a shutdown failure."""
+        with self._cond:
+            if not self.draining:
+                self.draining = True
+                self._drain_deadline = time.perf_counter() + max(0.0, timeout_s)
+                log.info("draining: %d running, %d queued; the rest end in %.0f s", len(self._active),
+                         len(self._queue), timeout_s)
+            self._cond.notify()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not (self._queue or self._active)
+
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        cache = getattr(self.engine, "prefix_cache", None)
+        if cache is not None and hasattr(cache, "flush"):  # let queued cache writes land (bounded)
+            cache.flush(timeout)
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -200,6 +240,10 @@ class Scheduler:
                         self._expire(time.perf_counter())
                     if self._stop:
                         break
+                    if self._drain_deadline is not None and time.perf_counter() >= self._drain_deadline:
+                        self._drain_deadline = None
+                        self._fail_all(Failure(503, "the server is shutting down; the request was ended before it "
+                                                    "finished", code="shutdown"), lock_held=True)
                     cancels = list(self._cancels)
                     self._cancels.clear()
                 for ticket in cancels:
@@ -220,6 +264,8 @@ class Scheduler:
 
     def _idle_wait(self) -> float:
         deadlines = [t.deadline for t in self._queue if t.deadline is not None]
+        if self._drain_deadline is not None:
+            deadlines.append(self._drain_deadline)
         return max(0.0, min(deadlines) - time.perf_counter()) + 1e-3 if deadlines else 1.0
 
     def _expire(self, now: float) -> None:
@@ -248,6 +294,14 @@ class Scheduler:
             except ValueError as e:  # validated upstream; a mismatch is still the client's input
                 self._close(head, Failure(400, str(e), "invalid_request_error"), "error")
                 continue
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                log.exception("add_request failed for one request")
+                self._close(head, Failure(500, f"internal error while admitting the request: {type(e).__name__}"),
+                            "error")
+                continue
+            cache = self.engine.prefix_cache
+            if cache is not None and hasattr(cache, "expect"):
+                cache.expect(head.request.prompt, head.namespace)
             self.budget.reserve(head.kv_bytes)
             self._active[head.request.id] = head
             prefill_tokens += len(head.prompt)
@@ -286,8 +340,14 @@ class Scheduler:
                 else:
                     m.itl.observe(now - ticket.last_token_at)
             ticket.last_token_at = now
+            error = getattr(out, "error", None)
+            if error:  # this request failed alone (the engine isolated it); the others go on
+                log.warning("request %s failed inside the engine: %s", ticket.id, error)
+                self._remove_from_engine(ticket)
+                self._close(ticket, Failure(500, f"internal error while generating: {error}"), "error")
+                continue
             if out.token is not None and not ticket.done:
-                ticket.deliver(Token(out.token))
+                ticket.deliver(Token(out.token, getattr(out, "logprob", None), getattr(out, "top_logprobs", None)))
             if out.finished:
                 self._close(ticket, self._finish_event(req, req.finish_reason or "length"), req.finish_reason)
         self.kv_used_bytes = sum(r.cache.global_kv_bytes() + r.cache.window_bytes()
@@ -303,6 +363,9 @@ class Scheduler:
         req = ticket.request
         if req is None:
             return
+        cache = self.engine.prefix_cache
+        if cache is not None and hasattr(cache, "forget"):
+            cache.forget(req.prompt)
         self.engine.abort(req)
 
     def _drop(self, ticket: Ticket, reason: str) -> None:
@@ -326,10 +389,14 @@ class Scheduler:
             ticket.extra["counted"] = True
             self.metrics.finished.inc(reason=reason or "unknown")
 
-    def _fail_all(self, failure: Failure) -> None:
-        with self._cond:
+    def _fail_all(self, failure: Failure, lock_held: bool = False) -> None:
+        if lock_held:
             pending = list(self._queue) + list(self._active.values())
             self._queue.clear()
+        else:
+            with self._cond:
+                pending = list(self._queue) + list(self._active.values())
+                self._queue.clear()
         for ticket in pending:
             self._remove_from_engine(ticket)
             self._close(ticket, failure, "error")
