@@ -219,3 +219,39 @@ def test_bytes_per_token_measured_from_the_allocated_pools_equals_the_accounting
     # and from the tensors themselves: bytes of one page of every source / entries per token
     per_token = sum((p.kv[0].numel() + p.index[0].numel()) / p.page_rows / p.ratio for p in pools.sources.values())
     assert per_token == expected
+
+
+def test_logprobs_are_the_log_softmax_of_the_step_logits_and_a_failing_row_fails_alone(monkeypatch):
+    torch.manual_seed(46)
+    model = engine_test_model(46)
+    seen = spy_logits(monkeypatch)
+    engine = Engine(model, max_batch=4)
+    import dsv41.engine.engine as engine_module
+
+    real = engine_module.sample
+
+    def sample(logits, params, generators):  # one request's parameters break the sampler
+        if any(p.seed == 666 for p in params):
+            raise RuntimeError("boom")
+        return real(logits, params, generators)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (12, 30, 7)]
+    good = engine.add_request(prompts[0], SamplingParams(max_tokens=6, logprobs=3))
+    plain = engine.add_request(prompts[1], SamplingParams(max_tokens=6))
+    bad = engine.add_request(prompts[2], SamplingParams(max_tokens=6, temperature=1.0, seed=666))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert bad.finished and bad.finish_reason == "error" and "boom" in bad.error
+    assert [o.error for o in outs if o.request is bad] == [bad.error]
+    assert len(good.output) == 6 and len(plain.output) == 6  # the batch went on
+    mine = [o for o in outs if o.request is good]
+    for out, row in zip(mine, seen[good.id]):
+        ref = torch.log_softmax(row.double(), -1)
+        assert abs(out.logprob - ref[out.token].item()) < 1e-5
+        top = torch.topk(ref, 3)
+        assert [t for t, _ in out.top_logprobs] == top.indices.tolist()
+        assert max(abs(lp - v) for (_, lp), v in zip(out.top_logprobs, top.values.tolist())) < 1e-5
+    assert all(o.logprob is None for o in outs if o.request is plain)
+    assert engine.pools.free_slots == engine.pools.max_slots

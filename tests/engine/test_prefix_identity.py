@@ -38,9 +38,7 @@ def tiny(seed: int) -> Transformer:
 
 
 def run(engine: Engine, prompt: list[int], namespace: str | None = None, max_tokens: int = 2):
-    req = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
-    if namespace is not None:
-        engine.prefix_cache.expect(req.prompt, namespace)
+    req = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), namespace=namespace)
     while not req.finished:
         engine.step()
     return req

@@ -110,7 +110,7 @@ def test_gpu_rope_kernels_equal_twins(shape, R):
     x = _x(shape, torch.bfloat16, g, "cuda")
     cos, sin = _angles(shape[0], shape[1], R, g, "cuda")
     for inverse in (False, True):
-        got, want = _both(lambda *a: ops.rope(*a, inverse=inverse), x, cos, sin)
+        got, want = _both(lambda *a, inv=inverse: ops.rope(*a, inverse=inv), x, cos, sin)
         assert torch.equal(got, want)
     got, want = _both(lambda *a: ops.rope_fake_quant(*a, "index_fp4"), x, cos, sin)
     assert torch.equal(got, want)

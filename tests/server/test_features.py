@@ -14,8 +14,7 @@ import torch
 from tests.server.conftest import MODEL_NAME
 
 import dsv41.engine.engine as engine_module
-from dsv41.engine.engine import Engine, StepOutput
-from dsv41.engine.sampling import token_logprobs
+from dsv41.engine.engine import Engine
 from dsv41.server.detokenize import TextStream, TokenText
 from dsv41.train.tokenizer import TOOL_CALL_BEGIN, TOOL_CALL_END
 
@@ -28,28 +27,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 FORCE_SEED = 424242  # requests with this seed get the scripted tokens below
 
 
-def engine_has_logprobs() -> bool:
-    return "logprob" in getattr(StepOutput, "__dataclass_fields__", {})
-
-
 @pytest.fixture(scope="module")
 def server(start_server, tiny):
-    srv = start_server(api_key=KEY, max_batch=4)
-    engine = srv.scheduler.engine
-    if not engine_has_logprobs():  # until the engine fills StepOutput.logprob itself: the same computation here
-        original = engine._emit
-
-        def emit_with_logprobs(reqs, logits):
-            outs = original(reqs, logits)
-            for out, row in zip(outs, logits):
-                k = out.request.params.logprobs
-                if k is not None and out.token is not None:
-                    lp, ids, top = token_logprobs(row[None], torch.tensor([out.token]), k)
-                    out.logprob, out.top_logprobs = lp.item(), list(zip(ids[0].tolist(), top[0].tolist()))
-            return outs
-
-        engine._emit = emit_with_logprobs
-    return srv
+    return start_server(api_key=KEY, max_batch=4)
 
 
 @pytest.fixture(scope="module")

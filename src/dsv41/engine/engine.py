@@ -29,7 +29,7 @@ from dsv41.engine.graphs import DecodeGraphs
 from dsv41.engine.prefill import PrefillJob
 from dsv41.engine.prefix import PrefixCache
 from dsv41.engine.runner import DecodeIO, Runner
-from dsv41.engine.sampling import SamplingParams, make_generator, sample
+from dsv41.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
 from dsv41.engine.scheduler import Scheduler
 from dsv41.engine.sequence import Sequence, SequenceStatus
 from dsv41.model.transformer import Transformer
@@ -117,7 +117,8 @@ class Engine:
         return list(self.scheduler.waiting)
 
     def add_request(self, prompt: list[int], params: SamplingParams | None = None,
-                    exact_prefill: bool | None = None) -> Sequence:
+                    exact_prefill: bool | None = None, namespace: str | bytes | None = None) -> Sequence:
+        """Queue a request; `namespace` keys its prefix-cache entries (a tenant never hits another's)."""
         if not prompt:
             raise ValueError("prompt must hold at least one token")
         bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
@@ -128,7 +129,7 @@ class Engine:
         params = params or SamplingParams()
         seq = Sequence(next(self._ids), list(prompt), params,
                        self.exact_prefill if exact_prefill is None else exact_prefill,
-                       generator=make_generator(params.seed, self.device))
+                       generator=make_generator(params.seed, self.device), namespace=namespace)
         self.scheduler.add(seq)
         return seq
 
@@ -163,7 +164,7 @@ class Engine:
             if logits is not None:
                 seq.job = None
                 if self.prefix_cache is not None and not seq.exact_prefill:
-                    self.prefix_cache.save(seq.cache, ends=[len(seq.prompt)])
+                    self.prefix_cache.save(seq.cache, ends=[len(seq.prompt)], namespace=seq.namespace)
                 outputs.extend(self._emit([seq], logits.unsqueeze(0)))
         return outputs
 
@@ -202,7 +203,7 @@ class Engine:
             return
         seq.cache = cache = SequenceCache(self.config, pools=self.pools)
         use_cache = self.prefix_cache is not None and not seq.exact_prefill
-        resume = self.prefix_cache.resume(cache, seq.prompt) if use_cache else None
+        resume = self.prefix_cache.resume(cache, seq.prompt, namespace=seq.namespace) if use_cache else None
         if resume is None:
             seq.job = PrefillJob(self.runner, cache, seq.prompt, chunk=self.prefill_chunk, exact=seq.exact_prefill)
         else:
@@ -256,15 +257,16 @@ class Engine:
                     log.exception("sampling for request %d failed", seq.id)
                     tokens.append(None)
                     seq.error = f"sampling failed: {err}"
+        logprobs = self._logprobs(seqs, logits, tokens)
         outputs = []
-        for seq, token in zip(seqs, tokens):
+        for seq, token, (lp, top) in zip(seqs, tokens, logprobs):
             if token is None:
                 outputs.append(self._fail(seq, seq.error))
                 continue
             if token in seq.params.stop_token_ids:
                 seq.finish_reason = "stop"
                 self._finish(seq)
-                outputs.append(StepOutput(seq, None, True))
+                outputs.append(StepOutput(seq, None, True, lp, top))
                 continue
             seq.output.append(token)
             seq.next_token = token
@@ -274,8 +276,27 @@ class Engine:
                 seq.finish_reason = "length"  # the next token would not fit the context
             if seq.finish_reason is not None:
                 self._finish(seq)
-            outputs.append(StepOutput(seq, token, seq.finished))
+            outputs.append(StepOutput(seq, token, seq.finished, lp, top))
         return outputs
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], logits: Tensor, tokens: list[int | None]
+                  ) -> list[tuple[float | None, list[tuple[int, float]] | None]]:
+        """(logprob, top alternatives) per row for the rows whose params ask (log-softmax of the
+        unmodified logits, `sampling.token_logprobs`), one batched call."""
+        out: list[tuple[float | None, list[tuple[int, float]] | None]] = [(None, None)] * len(seqs)
+        rows = [i for i, (s, t) in enumerate(zip(seqs, tokens)) if s.params.logprobs is not None and t is not None]
+        if not rows:
+            return out
+        k = max(seqs[i].params.logprobs for i in rows)
+        index = torch.tensor(rows, device=logits.device)
+        chosen, top_ids, top_lp = token_logprobs(logits.index_select(0, index),
+                                                 torch.tensor([tokens[i] for i in rows], device=logits.device), k)
+        chosen, top_ids, top_lp = chosen.tolist(), top_ids.tolist(), top_lp.tolist()
+        for j, i in enumerate(rows):
+            n = seqs[i].params.logprobs
+            out[i] = (chosen[j], list(zip(top_ids[j][:n], top_lp[j][:n])))
+        return out
 
     def _fail(self, seq: Sequence, message: str | None) -> StepOutput:
         seq.error = message or "request failed"
@@ -288,7 +309,7 @@ class Engine:
         """Output end: persist the conversation's units and its window snapshot, free the cache."""
         if self.prefix_cache is not None and not seq.exact_prefill and seq.cache is not None \
                 and not seq.cache.released and seq.job is None:
-            self.prefix_cache.save(seq.cache, ends=[seq.cache.n_tokens])
+            self.prefix_cache.save(seq.cache, ends=[seq.cache.n_tokens], namespace=seq.namespace)
         self._retire(seq)
 
     def _retire(self, seq: Sequence) -> None:

@@ -29,9 +29,8 @@ Resume for a request whose prompt extends a stored prefix of length b (> n_win):
     again to rebuild its windows (replayed tokens = n_win), then the suffix is prefilled.
 Cached global KV is read as stored rows and appended as is: never recomputed, never rewritten.
 
-Namespaces reach the cache as `resume(..., namespace=)` / `save(..., namespace=)`. An engine that
-does not pass them yet is bridged by `expect(prompt, namespace)`: the caller registers the prompt
-list it handed to `Engine.add_request` (the same object the engine later passes to `resume`).
+Namespaces reach the cache as `resume(..., namespace=)` / `save(..., namespace=)` (the engine passes
+each request's own); a `save` without one uses the namespace its sequence was resumed under.
 """
 
 from __future__ import annotations
@@ -172,7 +171,6 @@ class PrefixCache:
         self.memory = UnitMemory(memory_bytes)
         self.stats = PrefixStats()
         self._stats_lock = threading.Lock()
-        self._expected: dict[int, tuple[list[int], bytes | str | None]] = {}  # id(prompt) → (prompt, namespace)
         self._namespace_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq → namespace
 
     @classmethod
@@ -185,22 +183,6 @@ class PrefixCache:
         return cls(model.config, store, pool, identity=model_identity(model, tok), **kwargs)
 
     # ------------------------------------------------------------------ namespaces
-    def expect(self, prompt: list[int], namespace: bytes | str | None) -> None:
-        """Bridge for engines that do not pass `namespace`: the next `resume` of this very list object uses it."""
-        self._expected[id(prompt)] = (prompt, namespace)
-
-    def forget(self, prompt: list[int]) -> None:
-        got = self._expected.get(id(prompt))
-        if got is not None and got[0] is prompt:
-            del self._expected[id(prompt)]
-
-    def _namespace_for_resume(self, seq: SequenceCache, prompt: list[int], namespace) -> bytes | str | None:
-        if namespace is None:
-            got = self._expected.pop(id(prompt), None)
-            namespace = got[1] if got is not None and got[0] is prompt else None
-        self._namespace_of[seq] = namespace
-        return namespace
-
     def _salts(self, namespace) -> tuple[bytes, bytes]:
         return namespace_salt(self.salt, namespace), namespace_salt(self.swa_salt, namespace)
 
@@ -212,7 +194,7 @@ class PrefixCache:
     # ------------------------------------------------------------------ lookup and resume
     def resume(self, seq: SequenceCache, prompt: list[int], namespace: bytes | str | None = None) -> Resume | None:
         """Fill an empty `seq` from the cache for the longest usable prefix of prompt[:-1]."""
-        namespace = self._namespace_for_resume(seq, prompt, namespace)
+        self._namespace_of[seq] = namespace
         if self.store is None:
             return None
         salt, swa_salt = self._salts(namespace)

@@ -67,7 +67,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=32, help="sequences in the running batch (default 32)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
     p.add_argument("--kv-budget-gib", type=float, default=None,
-                   help="KV memory admitted requests may reserve (default: half the free device memory)")
+                   help="memory of the engine's KV pools, allocated once at start-up (default: half the free "
+                        "device memory, at most what max-batch sequences of the full context need)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="per-request limit in seconds: queued → 503, generating → cut with "
                         "finish_reason 'length' (default 600; 0 = none)")
@@ -95,32 +96,29 @@ def free_memory_bytes(device) -> int:
     return 4 * 2**30
 
 
-def kv_footprint(config) -> tuple[float, int]:
-    """(global KV bytes per token, window bytes per sequence), measured from an empty sequence cache."""
-    from dsv41.engine.cache import SequenceCache
-
-    seq = SequenceCache(config, "cpu")
-    return seq.bytes_per_token(), seq.window_bytes()
-
-
 def build_server(model, tok, *, model_name: str, max_batch: int = 32, max_queue: int = 256,
                  kv_budget_bytes: int | None = None, timeout_s: float | None = 600.0,
                  api_key: str | list[str] | None = None, max_body_bytes: int = 8 * 2**20, prefix_cache=None,
                  prefill_chunk: int = 2048, **app_options):
     """(app, scheduler) for a loaded model: what `dsv41 serve`, the tests and the load benchmark run.
     `app_options` go to `create_app` (allowed_hosts, cors_origins, body_timeout_s, max_concurrent_tokenize)."""
+    from dsv41.engine.block_manager import BlockManager
     from dsv41.engine.engine import Engine
     from dsv41.server.app import create_app
     from dsv41.server.metrics import ServerMetrics
     from dsv41.server.scheduler import Scheduler
 
-    engine = Engine(model, prefill_chunk=prefill_chunk, max_batch=max_batch, prefix_cache=prefix_cache)
-    per_token, window = kv_footprint(model.config)
+    config = model.config
     if kv_budget_bytes is None:
-        kv_budget_bytes = free_memory_bytes(engine.device) // 2
+        kv_budget_bytes = free_memory_bytes(next(model.parameters()).device) // 2
+    max_tokens = min(BlockManager.tokens_for_budget(config, kv_budget_bytes, max_batch), max_batch * config.max_seq_len)
+    if max_tokens < config.max_seq_len:
+        raise ConfigError(f"a KV budget of {kv_budget_bytes / 2**30:.3f} GiB holds {max_tokens} tokens, less than one "
+                          f"sequence of the model's context ({config.max_seq_len}); raise --kv-budget-gib")
+    engine = Engine(model, prefill_chunk=prefill_chunk, max_batch=max_batch, prefix_cache=prefix_cache,
+                    max_tokens=max_tokens)
     metrics = ServerMetrics()
-    scheduler = Scheduler(engine, max_queue=max_queue, kv_budget_bytes=kv_budget_bytes, bytes_per_token=per_token,
-                          window_bytes=window, timeout_s=timeout_s or None, metrics=metrics)
+    scheduler = Scheduler(engine, max_queue=max_queue, timeout_s=timeout_s or None, metrics=metrics)
     app = create_app(scheduler, tok, model_name=model_name, max_model_len=model.config.max_seq_len,
                      api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics, **app_options)
     return app, scheduler
@@ -222,8 +220,8 @@ def run(args: argparse.Namespace) -> int:
                     "" if keys else " and WITHOUT an API key",
                     "" if args.allowed_hosts else "; only Host headers naming loopback or the bound address are "
                                                   "accepted: pass --allowed-hosts with the names clients use")
-    log.info("serving '%s' on http://%s:%d/v1 (max batch %d, queue %d, KV budget %.2f GiB)", name, args.host,
-             args.port, args.max_batch, args.max_queue, scheduler.budget.capacity / 2**30)
+    log.info("serving '%s' on http://%s:%d/v1 (max batch %d, queue %d, KV pools %.3f GiB)", name, args.host,
+             args.port, args.max_batch, args.max_queue, scheduler.kv_capacity_bytes / 2**30)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5)
     DrainingServer(config, scheduler, args.shutdown_timeout).run()

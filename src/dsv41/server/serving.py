@@ -173,7 +173,7 @@ class Serving:
                 raise P.APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
             if isinstance(e, ShuttingDown):
                 raise P.APIError(503, str(e), type="server_error", code="shutting_down") from None
-            raise P.APIError(400, str(e), param="max_tokens", code="kv_budget_exceeded") from None
+            raise P.APIError(400, str(e), param="messages", code="context_length_exceeded") from None
         return choices, queue
 
     def cancel_all(self, choices: list[Choice]) -> None:
