@@ -176,7 +176,7 @@ def test_preemption_to_host_and_back_equals_an_uninterrupted_run(monkeypatch):
     ref = run_all(roomy, prompts, outputs)
     ref_rows = {s.id: list(seen[s.id]) for s in ref}
     seen.clear()
-    tight = Engine(model, max_batch=4, prefill_chunk=16, page_rows=4, max_seq_len=80, max_tokens=120)
+    tight = Engine(model, max_batch=4, prefill_chunk=16, page_rows=4, max_seq_len=80, max_tokens=130)
     got = run_all(tight, prompts, outputs)
     assert tight.stats.preemptions > 0, "the pools were meant to run out"
     assert roomy.stats.preemptions == 0

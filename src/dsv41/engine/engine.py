@@ -177,22 +177,17 @@ class Engine:
         return self.prefix_cache.metrics() if self.prefix_cache is not None else {}
 
     # ------------------------------------------------------------------ capacity (the scheduler's view)
-    def can_admit(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
-        pools = self.pools
-        if pools.free_slots == 0:
-            return False
-        if seq.swapped is not None:
-            target = seq.cache.n_tokens + 1
-        else:
-            target = len(seq.prompt) + 1
-        need = pools.pages_needed(target)
-        for other in prefilling:  # pages the running prefills will still take
-            for s, n in pools.pages_needed(other.target_tokens(), other.cache.pages_held()).items():
-                need[s] += n
-        return all(n <= pools.free_pages(s) for s, n in need.items())
+    def free_pages(self) -> dict[int, int]:
+        return {s: self.pools.free_pages(s) for s in self.pools.sources}
 
-    def can_grow(self, seq: Sequence, n_tokens: int) -> bool:
-        return self.pools.can_allocate(seq.num_cached_tokens + n_tokens, seq.cache.pages_held())
+    def pages_to_grow(self, seq: Sequence, n_tokens: int) -> dict[int, int]:
+        return self.pools.pages_needed(seq.num_cached_tokens + n_tokens, seq.cache.pages_held())
+
+    def pages_to_admit(self, seq: Sequence) -> dict[int, int] | None:
+        if self.pools.free_slots == 0:
+            return None
+        target = (seq.cache.n_tokens if seq.swapped is not None else len(seq.prompt)) + 1
+        return self.pools.pages_needed(target)
 
     def admit(self, seq: Sequence) -> None:
         """Give a sequence its slot: swap a preempted one back in, or start a new one's prefill

@@ -217,13 +217,13 @@ class Runner:
         attn = self.model.layers[layer_id].attn
         comp, m = attn.compressor, attn.ratio
         pool = record.pools.sources[layer_id]
-        rows: list[int] = []
+        rows: list[Tensor] = []
         record.sources.pop(layer_id, None)
         T = x.size(1)
         if m == 1:  # every token is an entry: one projection for the whole batch
             latent, starts = comp.norm(comp.wkv(x)).flatten(0, 1), record.positions.flatten()  # (B·T, D), (B·T,)
             for s in record.seqs:
-                rows += s.entry_stores[layer_id].reserve(T)
+                rows.append(s.entry_stores[layer_id].reserve_ids(T))
         else:
             latents, group_starts = [], []
             for b, s in enumerate(record.seqs):
@@ -241,11 +241,11 @@ class Runner:
                 pooled = comp.pool(kv[:n * m].view(n, m, -1), score[:n * m].view(n, m, -1))  # (n, D)
                 latents.append(comp.norm(pooled.to(x.dtype)))
                 group_starts.append(record.start[b] - r + m * torch.arange(n, device=x.device))
-                rows += s.entry_stores[layer_id].reserve(n)
+                rows.append(s.entry_stores[layer_id].reserve_ids(n))
             if not latents:
                 return
             latent, starts = torch.cat(latents), torch.cat(group_starts)
-        row_ids = torch.tensor(rows, device=x.device)[None]
+        row_ids = torch.cat(rows)[None]
         self._write_entries(layer_id, latent.unsqueeze(0), starts.unsqueeze(0), row_ids, pool)
 
     def _compress_static(self, layer_id: int, x: Tensor, record: StepRecord) -> None:
