@@ -100,10 +100,11 @@ def test_optimizer_step_is_nesterov_then_balance_with_gamma_lr_and_no_decay():
         buf = mu * buf + g
         want = want - gamma * lr * _naive_sinkhorn(g + mu * buf, tau=1e-3, iters=11)
         err = (p.detach() - want).abs().max()
-        assert err <= 5e-7, f"max err {err.item():.2e}"  # measured ≤ 1.2e-7
+        # fp32 rounding of p (|p| < 8: one ulp ≤ 4.8e-7); measured ≤ 2.4e-7 over 150 draws
+        assert err <= 1e-6, f"max err {err.item():.2e}"
     # update RMS is γ·lr per row, like Muon's 0.18
     p.grad = torch.randn(shape)
     before = p.detach().clone()
     opt.step()
     rms = ((before - p.detach()) / lr).square().mean().sqrt().item()
-    assert abs(rms - gamma) < 3e-7, f"update RMS {rms:.8f}"  # measured ≤ 7e-8 from 0.18
+    assert abs(rms - gamma) < 4e-7, f"update RMS {rms:.8f}"  # measured ≤ 1.1e-7 from 0.18 over 150 draws
