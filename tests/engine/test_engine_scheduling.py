@@ -60,7 +60,7 @@ def run_all(engine: Engine, prompts: list[list[int]], outputs: list[int], params
             seqs.append(engine.add_request(prompts[i], p))
         engine.step()
         steps += 1
-        assert steps < 5000, "the engine stopped making progress"
+        assert steps < 1000, "the engine stopped making progress"
     return seqs
 
 
@@ -203,7 +203,9 @@ def test_abort_and_stop_return_every_page_and_slot():
     assert held > 0
     engine.abort(seqs[0])  # running
     engine.abort(seqs[4])  # still waiting
-    while engine.has_work():
+    for _ in range(300):  # a leak would leave the waiting ones without a slot forever
+        if not engine.has_work():
+            break
         engine.step()
     assert all(s.finished for s in seqs)
     assert seqs[0].finish_reason == "cancelled" and len(seqs[1].output) == 12

@@ -13,8 +13,9 @@ What lives here (SPEC §1a, §4; nano-vllm's `block_manager.py`, vLLM's KV-cache
   * one extra **dummy slot** (id `dummy_slot`) that padded rows of a fixed-size decode batch read
     and write, so a captured batch never touches a real sequence.
 
-Capacity is counted in pages and slots on the host (`can_allocate`, `allocate`, `free`): no
-allocation ever happens on the device after start-up, so the memory a server holds is known up
+Capacity is counted in pages and slots on the host (`pages_needed`, `alloc_page`, `alloc_slot`,
+`free_page_ids`, `free_slot`; the engine's scheduler plans with them): no allocation ever happens on
+the device after start-up, so the memory a server holds is known up
 front and `bytes_per_token()` is measured from the pools themselves.
 """
 
@@ -149,14 +150,6 @@ class BlockManager:
         return {s: max(0, pages_for(n_tokens // p.ratio, self.page_rows) - have.get(s, 0))
                 for s, p in self.sources.items()}
 
-    def can_allocate(self, n_tokens: int, have: dict[int, int] | None = None, slot: bool = False) -> bool:
-        """Room for a sequence to grow to n_tokens (and, with slot=True, a free slot)."""
-        if slot and not self._free_slots:
-            return False
-        if n_tokens > self.max_seq_len:
-            return False
-        return all(n <= len(self._free_pages[s]) for s, n in self.pages_needed(n_tokens, have).items())
-
     # ------------------------------------------------------------------ slots and pages
     def alloc_slot(self) -> int:
         if not self._free_slots:
@@ -236,12 +229,6 @@ class BlockManager:
             "partial_groups": sum(nbytes(p.pending_kv) + nbytes(p.pending_score) for p in self.sources.values()),
             "window_rings": nbytes(self.ring_rows) + nbytes(self.ring_positions),
         }
-
-    def usage(self) -> dict[str, float]:
-        """Fraction of pages and slots in use."""
-        out = {f"pages_{s}": 1 - len(self._free_pages[s]) / p.n_pages for s, p in self.sources.items()}
-        out["slots"] = 1 - len(self._free_slots) / self.max_slots
-        return out
 
     @staticmethod
     def tokens_for_budget(config: ModelConfig, budget_bytes: int, max_slots: int) -> int:

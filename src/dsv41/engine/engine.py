@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -58,7 +58,6 @@ class EngineStats:
     prefill_tokens: int = 0
     preemptions: int = 0
     failures: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def _keep_fp32_weights_in_fp32(model: Transformer) -> None:
@@ -91,10 +90,10 @@ class Engine:
         self.prefill_chunk, self.max_batch, self.exact_prefill = prefill_chunk, max_batch, exact_prefill
         self.prefix_cache = prefix_cache
         self.max_seq_len = int(max_seq_len or c.max_seq_len)
-        max_tokens = max_tokens or max(self.max_seq_len, min(self.max_seq_len * max_batch, 1 << 20))
-        self.pools = BlockManager(c, self.device, max_slots=max_batch, max_tokens=max(max_tokens, self.max_seq_len),
+        max_tokens = max(self.max_seq_len, max_tokens or min(self.max_seq_len * max_batch, 1 << 20))
+        self.pools = BlockManager(c, self.device, max_slots=max_batch, max_tokens=max_tokens,
                                   max_seq_len=self.max_seq_len, page_rows=page_rows)
-        self.runner = Runner(model, self.pools)
+        self.runner = Runner(model)
         self.io = DecodeIO(c, self.pools, max_batch)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(self.runner, self.io, min_entries=graph_min_entries) if use_graphs else None

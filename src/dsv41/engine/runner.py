@@ -71,11 +71,12 @@ class StepRecord:
 
 
 class Runner:
-    def __init__(self, model: Transformer, pools: BlockManager | None = None):
+    """The cached forward of one model over any pools (each call reads them from its sequences / io)."""
+
+    def __init__(self, model: Transformer):
         self.model = model
         self.config = model.config
         self.plans = model.plan
-        self.pools = pools  # the engine's pools; host-driven calls take them from the sequences
 
     # ------------------------------------------------------------------ host-driven entry point
     @torch.no_grad()
