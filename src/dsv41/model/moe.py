@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv41.config import ModelConfig
+from dsv41.kernels import ops
+from dsv41.kernels.ref.swiglu import swiglu as ref_swiglu
 
 MoEImpl = Literal["auto", "loop", "grouped", "dense"]
 
@@ -98,13 +100,9 @@ class Gate(nn.Module):
 
 
 def _swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None) -> Tensor:
-    """The reference's clamped SwiGLU in fp32; the routing weight scales the hidden, before w2."""
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        up = up.clamp(min=-limit, max=limit)
-        gate = gate.clamp(max=limit)
-    h = F.silu(gate) * up
-    return h if weight is None else weight * h
+    """The reference's clamped SwiGLU in fp32; the routing weight scales the hidden, before w2 (the
+    formula is `kernels.ref.swiglu`; the experts call `ops.swiglu`, which also casts for w2 in one pass)."""
+    return ref_swiglu(gate, up, limit, weight, torch.float32)
 
 
 class Expert(nn.Module):
@@ -119,8 +117,7 @@ class Expert(nn.Module):
 
     def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """x (n, dim), weight (n, 1) fp32 or None → (n, dim) in x.dtype."""
-        h = _swiglu(self.w1(x), self.w3(x), self.swiglu_limit, weight)
-        return self.w2(h.to(x.dtype))
+        return self.w2(ops.swiglu(self.w1(x), self.w3(x), self.swiglu_limit, weight, x.dtype))
 
 
 # ---------------------------------------------------------------------- routed experts, stacked
@@ -210,8 +207,8 @@ class GroupedExperts(nn.Module):
 
     def expert(self, i: int, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """Expert i alone on x (n, dim): the per-expert twin of the grouped forward."""
-        h = _swiglu(F.linear(x, self.w1[i]), F.linear(x, self.w3[i]), self.swiglu_limit, weight)
-        return F.linear(h.to(x.dtype), self.w2[i])
+        h = ops.swiglu(F.linear(x, self.w1[i]), F.linear(x, self.w3[i]), self.swiglu_limit, weight, x.dtype)
+        return F.linear(h, self.w2[i])
 
     def forward(self, xs: Tensor, ws: Tensor, counts: Tensor, grouped: bool = True) -> Tensor:
         """xs (M, dim) rows sorted by expert, ws (M, 1) fp32 routing weights, counts (E,) rows per expert
@@ -230,8 +227,8 @@ class GroupedExperts(nn.Module):
         a = x.to(dtype)
         g = F.linear(a, self.w1.to(dtype).view(E * inter, -1))  # (N, E·inter): every expert's w1 in one GEMM
         u = F.linear(a, self.w3.to(dtype).view(E * inter, -1))
-        h = _swiglu(g, u, self.swiglu_limit, None).view(N, E, inter) * route.unsqueeze(-1)  # (N, E, inter) fp32
-        out = torch.bmm(h.to(dtype).transpose(0, 1), self.w2.to(dtype).transpose(1, 2))  # (E, N, dim)
+        h = ops.swiglu(g, u, self.swiglu_limit, route, dtype).view(N, E, inter)  # each expert's block × its weight
+        out = torch.bmm(h.transpose(0, 1), self.w2.to(dtype).transpose(1, 2))  # (E, N, dim)
         return out.float().sum(0)
 
     def _loop(self, xs: Tensor, ws: Tensor, counts: Tensor) -> Tensor:
@@ -249,8 +246,9 @@ class GroupedExperts(nn.Module):
         a = xs.to(dtype)  # grouped_mm is not autocast-aware: cast only when autocast asks for another dtype
         # (E, out, in) → (E, in, out): a transposed view; `.to` returns the parameter itself when dtypes agree
         w1, w2, w3 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
-        h = _swiglu(torch._grouped_mm(a, w1, offs=offs), torch._grouped_mm(a, w3, offs=offs), self.swiglu_limit, ws)
-        return torch._grouped_mm(h.to(dtype), w2, offs=offs)
+        h = ops.swiglu(torch._grouped_mm(a, w1, offs=offs), torch._grouped_mm(a, w3, offs=offs), self.swiglu_limit,
+                       ws, dtype)
+        return torch._grouped_mm(h, w2, offs=offs)
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
