@@ -17,17 +17,17 @@ export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
 status=0
 if [[ $parts == *tests* ]]; then
 : >"$out/tests.log"
-for f in tests/engine/test_engine_gpu.py tests/model/test_moe.py tests/kernels/test_rope_norm.py \
-         tests/kernels/test_swiglu.py tests/engine/test_engine_kernels.py; do
-    timeout 300 python3 -m pytest -q -m gpu "$f" -p no:cacheprovider --tb=short >>"$out/tests.log" 2>&1
-    rc=$?
-    [ $rc -ne 0 ] && [ $rc -ne 5 ] && status=1
-    echo "===== $f (exit $rc)" >>"$out/tests.log"
-done
-grep -E "=====|passed|failed" "$out/tests.log"
+# one pytest process (one CUDA start-up, one Triton cache) for every GPU test the engine relies on
+timeout 240 python3 -m pytest -q -m gpu tests/engine/test_engine_gpu.py tests/model/test_moe.py \
+    tests/kernels/test_rope_norm.py tests/kernels/test_swiglu.py tests/engine/test_engine_kernels.py \
+    -p no:cacheprovider --tb=short -x --durations=8 >>"$out/tests.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 5 ] && status=1
+echo "===== gpu tests (exit $rc)" >>"$out/tests.log"
+tail -30 "$out/tests.log"
 fi
 if [[ $parts == *peer* ]]; then
-timeout 420 python3 benchmarks/peer_decode.py --batches 64 1 16 --contexts 32768 131072 4096 \
+timeout 330 python3 benchmarks/peer_decode.py --batches 64 1 16 --contexts 32768 131072 4096 \
     --prefill 8192 32768 --compile-cells 1x4096 64x32768 --profile 64x32768 --out "$out" >"$out/peer.log" 2>&1
 tail -25 "$out/peer.log"
 fi
