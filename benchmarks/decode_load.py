@@ -101,14 +101,14 @@ def main(argv: list[str] | None = None) -> int:
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "streams": args.streams, "context": args.context, "prompts": args.prompts,
               "prompt_len": args.prompt_len, "runs": []}
-    for budget in args.budgets:
-        r = run(model, args, budget, args.device)
-        report["runs"].append(r)
-        print(json.dumps(r, default=lambda v: round(v, 3)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"decode_load-{report['date']}.json"
-    path.write_text(json.dumps(report, indent=1))
+    for budget in args.budgets:
+        r = run(model, args, budget, args.device)
+        report["runs"].append(r)
+        path.write_text(json.dumps(report, indent=1))  # after every budget: a run cut short keeps what it measured
+        print(json.dumps(r, default=lambda v: round(v, 3)))
     print(f"wrote {path}")
     for r in report["runs"]:
         print(f"budget {r['token_budget']:>6}: unloaded p50 {r['unloaded_gap_ms']['p50']:.2f} ms, loaded p99 "

@@ -114,3 +114,21 @@ def test_decode_step_op_count_is_reported(capsys):
         engine.runner.decode(engine.io, B, n_max)
     print(f"decode step, tiny, B={B}: {counter.total} aten ops")
     assert counter.total > 0
+
+
+def test_fill_batch_writes_what_row_by_row_fill_writes():
+    """The batched host fill (one write per field) = `fill` row by row: the same host buffer and the
+    same reserved entry rows, over enough steps that every source completes entries and takes pages."""
+    a, b = _engine_with_running(63, lengths=(20, 47, 9, 30)), _engine_with_running(63, lengths=(20, 47, 9, 30))
+    for step in range(12):
+        sa, sb = a.running, b.running
+        for i, seq in enumerate(sa):
+            a.io.fill(i, seq.cache, seq.next_token)
+        b.io.fill_batch([s.cache for s in sb], [s.next_token for s in sb])
+        B = len(sa)
+        assert (a.io.view[:, :B] == b.io.view[:, :B]).all(), f"step {step}:\n{a.io.view[:, :B]}\n{b.io.view[:, :B]}"
+        for x, y in zip(sa, sb):
+            assert x.cache.pages == y.cache.pages
+            for seq in (x, y):  # the step's token joins the cache, as the engine's decode does
+                seq.cache.tokens.append(seq.next_token)
+                seq.next_token = (seq.next_token * 7 + step) % 997 + 3

@@ -21,6 +21,7 @@ front and `bytes_per_token()` is measured from the pools themselves.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -60,8 +61,8 @@ class SourcePool:
     def index_rows(self) -> Tensor:
         return self.index.view(-1, self.index.size(-1))
 
-    @property
-    def page_rows(self) -> int:
+    @functools.cached_property
+    def page_rows(self) -> int:  # a plain int after the first read: the decode step's host side asks per row
         return self.kv.size(1)
 
     @property

@@ -72,6 +72,8 @@ class PagedRows:
         self.cache.ensure_pages(self.layer_id, first + n)
         self.n_rows += n
         R, pages = self.page_rows, self.page_ids
+        if n == 1:  # the decode step's case
+            return [pages[first // R] * R + first % R]
         return [pages[i // R] * R + i % R for i in range(first, first + n)]
 
     def reserve_ids(self, n: int) -> Tensor:
@@ -293,6 +295,12 @@ class SequenceCache:
 
     def pages_held(self) -> dict[int, int]:
         return {s: len(p) for s, p in self.pages.items()}
+
+    def page_limit(self) -> int:
+        """The smallest token count the pages held cannot cover: a source of ratio m holding P pages of
+        R rows covers P·R entries, i.e. fewer than (P·R + 1)·m tokens."""
+        R, sources = self.pools.page_rows, self.pools.sources
+        return min(((len(p) * R + 1) * sources[s].ratio for s, p in self.pages.items()), default=1 << 62)
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -180,7 +180,10 @@ class Engine:
         return {s: self.pools.free_pages(s) for s in self.pools.sources}
 
     def pages_to_grow(self, seq: Sequence, n_tokens: int) -> dict[int, int]:
-        return self.pools.pages_needed(seq.num_cached_tokens + n_tokens, seq.cache.pages_held())
+        target = seq.num_cached_tokens + n_tokens
+        if target < seq.cache.page_limit():  # the pages held cover it (almost every decode step)
+            return {}
+        return self.pools.pages_needed(target, seq.cache.pages_held())
 
     def pages_to_admit(self, seq: Sequence) -> dict[int, int] | None:
         if self.pools.free_slots == 0:
@@ -212,8 +215,7 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> Tensor:
         """Run each sequence's pending token through all layers at once: logits (B, vocab)."""
         io, B = self.io, len(seqs)
-        for b, seq in enumerate(seqs):
-            io.fill(b, seq.cache, seq.next_token)
+        io.fill_batch([seq.cache for seq in seqs], [seq.next_token for seq in seqs])
         n_entries = io.max_entries(B)
         if self.graphs is not None:
             Bb, n_max = self.graphs.shape(B, n_entries)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -360,6 +361,30 @@ class DecodeIO:
             m = store.ratio
             v[self.ROW[s], b] = store.reserve(1)[0] if (pos + 1) % m == 0 else -1
             v[self.CNT[s], b] = store.n_entries
+
+    def fill_batch(self, caches: list[SequenceCache], tokens: list[int]) -> None:
+        """`fill` for rows 0..B-1 at once: one host write per field instead of several per row (the
+        host side of a decode step at batch 64 is otherwise ~20 µs per row)."""
+        v, B = self.view, len(caches)
+        positions = [c.n_tokens for c in caches]
+        v[self.TOK, :B] = tokens
+        v[self.POS, :B] = positions
+        v[self.SLOT, :B] = [c.slot for c in caches]
+        k = self.k
+        if k:
+            pad = [-1] * k
+            # (B, k): the k tokens before each row's token, left-padded with -1 near the start
+            hist = [(pad + c.tokens[-k:])[-k:] if c.tokens else pad for c in caches]
+            v[self.HIST:self.HIST + k, :B] = np.asarray(hist, dtype=np.int64).T
+        for s in self.sources:
+            stores = [c.entry_stores[s] for c in caches]
+            m = stores[0].ratio if stores else 1
+            rows = v[self.ROW[s]]
+            rows[:B] = -1
+            for b, (pos, store) in enumerate(zip(positions, stores)):
+                if (pos + 1) % m == 0:  # this token completes a compressed entry: its row is reserved now
+                    rows[b] = store.reserve(1)[0]
+            v[self.CNT[s], :B] = [store.n_entries for store in stores]
 
     def send(self) -> None:
         """Host buffer and changed page tables → device (non-blocking; ordered before the step)."""

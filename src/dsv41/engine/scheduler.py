@@ -86,14 +86,14 @@ class Scheduler:
         # 1. one decode token for every running sequence past its prefill; make room by preempting
         #    the newest running sequence when pages are missing
         for seq in list(self.running):
-            if seq not in self.running or seq.prefilling:
+            if seq.status is not SequenceStatus.RUNNING or seq.prefilling:  # preempted above, or prefilling
                 continue
             while not plan.claim(seq, self.capacity.pages_to_grow(seq, 1)):
                 victim = next((s for s in reversed(self.running) if s is not seq), None)
                 self._preempt(victim or seq, out, plan)
                 if victim is None:
                     break
-            if seq in self.running:
+            if seq.status is SequenceStatus.RUNNING:
                 out.decode.append(seq)
         budget -= len(out.decode)
         # 2. the next pieces of every sequence still prefilling, oldest first
@@ -160,6 +160,9 @@ class _Pages:
 
     def claim(self, seq: Sequence, need: dict[int, int]) -> bool:
         """Claim `need` more pages for seq (replacing an earlier claim of this step); False if short."""
+        if not need:  # no new page (almost every decode step)
+            self.claims.setdefault(id(seq), {})
+            return True
         before = self.claims.get(id(seq), {})
         delta = {s: n - before.get(s, 0) for s, n in need.items()}
         if not self.fits({s: max(0, d) for s, d in delta.items()}):
