@@ -112,6 +112,9 @@ class ModelConfig:
     single_pass_mhc: bool = True  # dsv41: pre-mix from the previous sublayer (report); False = classic mHC
     qat: bool = False  # dsv41: fake-quantize KV (FP4 entries, FP4 index keys/queries, FP8 window) in training
     indexer_loss_weight: float = 1.0  # dsv41: weight of the indexer's KL auxiliary loss (SPEC §3 decision)
+    # dsv41: the entries the indexer KL runs over: "topk" = the layer's own selected top-k (DeepSeek-V3.2's
+    # sparse stage, issue 18; needs no (B, T, N) logits), "allowed" = every entry the layer may select
+    indexer_kl_set: str = "topk"
     balance_loss_weight: float = 1e-4  # dsv41: sequence-level expert balance loss weight (SPEC §5)
     bias_update_speed: float = 1e-3  # dsv41: aux-loss-free gate bias step per update (SPEC §5)
 
@@ -186,6 +189,8 @@ def validate(c: ModelConfig) -> None:
         _fail("score_func", f"unknown score function {c.score_func!r}")
     if c.dtype not in ("bf16", "fp8"):
         _fail("dtype", f"must be 'bf16' or 'fp8', got {c.dtype!r}")
+    if c.indexer_kl_set not in ("topk", "allowed"):
+        _fail("indexer_kl_set", f"must be 'topk' or 'allowed', got {c.indexer_kl_set!r}")
     if c.expert_dtype not in (None, "fp4"):
         _fail("expert_dtype", f"must be null or 'fp4', got {c.expert_dtype!r}")
     if c.rope_head_dim > c.head_dim or c.rope_head_dim % 2:

@@ -321,7 +321,8 @@ class DenseCSA2Reference:
             assert why is None, f"layer {layer_id}: top-k is not a top-{c.index_topk} of the fp64 scores: {why}"
             sh.selection, sh.scores[layer_id] = chosen, scores
             result.scores, result.allowed = scores, allowed
-            result.kl = ref_indexer_kl(q, sh.entries, allowed, scores, c.head_dim ** -0.5)
+            kl_set = allowed if c.indexer_kl_set == "allowed" else chosen & allowed  # config: top-k or allowed
+            result.kl = ref_indexer_kl(q, sh.entries, kl_set, scores, c.head_dim ** -0.5)
         else:
             assert plan.mode == REUSE
         result.selected = sh.selection & visible

@@ -123,14 +123,22 @@ def select_candidate_blocks(scores: Tensor, block_id: Tensor, n_blocks: int, new
     newest_block (B, T) block holding the query's newest visible entry (−1 = none), pinned in
     because it is only partly filled. Returns (B, T, N) bool: slot lies in a kept block."""
     B, T, N = scores.shape
+    kept = candidate_block_ids(scores, block_id, n_blocks, newest_block, topk_blocks)
+    return topk_mask(kept, n_blocks).gather(-1, block_id.unsqueeze(1).expand(B, T, N))
+
+
+def candidate_block_ids(scores: Tensor, block_id: Tensor, n_blocks: int, newest_block: Tensor,
+                        topk_blocks: int) -> Tensor:
+    """The blocks `select_candidate_blocks` keeps, as (B, T, topk_blocks) block ids (−1 = none):
+    O(T·blocks) to hand down the stack instead of a (B, T, N) mask (the sparse path keeps these)."""
+    B, T, N = scores.shape
     index = block_id.unsqueeze(1).expand(B, T, N)
     block_scores = scores.new_full((B, T, n_blocks), float("-inf"))
     block_scores = block_scores.scatter_reduce(-1, index, scores, reduce="amax", include_self=True)
     pin = torch.arange(n_blocks, device=scores.device) == newest_block.unsqueeze(-1)
     block_scores = block_scores.masked_fill(pin, float("inf"))
     values, indices = stable_topk(block_scores, topk_blocks)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
-    return keep.gather(-1, index)
+    return torch.where(values > float("-inf"), indices, torch.full_like(indices, -1))
 
 
 def stable_topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -205,13 +213,13 @@ def indexer_kl(q: Tensor, entries: Tensor, allowed: Tensor, index_scores: Tensor
     if not bool(has_any.any()):
         return index_scores.new_zeros(())
     with torch.no_grad():
-        logits = torch.einsum("bthd,bsd->bhts", q.float(), entries.float()) * scale
+        logits = torch.einsum("bthd,bsd->bhts", q.float(), entries.float()).double() * scale
         logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
         target = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(1)  # (B, T, N)
         target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
-    log_pred = torch.log_softmax(index_scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    log_pred = torch.log_softmax(index_scores.double().masked_fill(~allowed, float("-inf")), dim=-1)
     kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred), torch.zeros_like(target))
-    return kl.sum(-1)[has_any].mean()
+    return kl.sum(-1)[has_any].mean().to(index_scores.dtype)
 
 
 class Attention(nn.Module):
@@ -223,7 +231,7 @@ class Attention(nn.Module):
         self.window, self.ratio = c.window_size, plan.ratio
         self.n_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
         self.qat = c.qat
-        self.index_topk = c.index_topk
+        self.index_topk, self.kl_set = c.index_topk, c.indexer_kl_set
         self.candidate_topk_blocks, self.candidate_block_size = c.candidate_topk_blocks, c.candidate_block_size
         self.scale = c.head_dim ** -0.5
 
@@ -311,7 +319,9 @@ class Attention(nn.Module):
             shared.topk = select_topk(scores.detach(), self.index_topk)
             shared.topk_source = self.layer_id
             if ctx.training_losses:
-                ctx.indexer_losses.append(indexer_kl(q.detach(), shared.kv.detach(), allowed, scores, self.scale))
+                # the KL's entry set (config `indexer_kl_set`): this layer's top-k, or all it may select
+                kl_set = allowed if self.kl_set == "allowed" else topk_mask(shared.topk, allowed.size(-1)) & allowed
+                ctx.indexer_losses.append(indexer_kl(q.detach(), shared.kv.detach(), kl_set, scores, self.scale))
         selected = topk_mask(shared.topk, slots.token.size(1)) & visible
         if ctx.trace is not None:
             ctx.trace.append(dict(layer=self.layer_id, mode=mode, kv_source=shared.kv_source, kv=shared.kv,
@@ -322,13 +332,23 @@ class Attention(nn.Module):
 
     def _candidates(self, scores: Tensor, visible: Tensor, slots) -> Tensor:
         """Candidate blocks of `candidate_block_size` entries, counted inside each document."""
-        bs = self.candidate_block_size
-        starts = slots.valid & (slots.group % bs == 0)  # first slot of each block
-        block_id = torch.where(slots.valid, starts.long().cumsum(1) - 1, torch.zeros_like(slots.group))
-        n_blocks = int(block_id.max().item()) + 1 if block_id.numel() else 1
-        # the query's newest visible slot: visible is a prefix within the document
-        n = visible.size(-1)
-        last = torch.where(visible, torch.arange(n, device=visible.device), -1).amax(-1)  # (B, T)
-        newest = torch.where(last >= 0, block_id.gather(1, last.clamp(min=0)), torch.full_like(last, -1))
+        block_id, n_blocks = candidate_layout(slots, self.candidate_block_size)
+        newest = newest_block(visible, block_id)
         keep = select_candidate_blocks(scores, block_id, n_blocks, newest, self.candidate_topk_blocks)
         return keep & visible  # the newest block is partly in the future: the pool stays visible
+
+
+def candidate_layout(slots, block_size: int) -> tuple[Tensor, int]:
+    """(block id of every slot (B, N), number of blocks): blocks of `block_size` entries counted
+    inside each document (a document's first slot starts a block)."""
+    starts = slots.valid & (slots.group % block_size == 0)  # first slot of each block
+    block_id = torch.where(slots.valid, starts.long().cumsum(1) - 1, torch.zeros_like(slots.group))
+    return block_id, int(block_id.max().item()) + 1 if block_id.numel() else 1
+
+
+def newest_block(visible: Tensor, block_id: Tensor) -> Tensor:
+    """(B, Tq) block holding each query's newest visible slot (−1 = none); visible (B, Tq, N) is a
+    prefix of the query's document slots."""
+    n = visible.size(-1)
+    last = torch.where(visible, torch.arange(n, device=visible.device), -1).amax(-1)  # (B, Tq)
+    return torch.where(last >= 0, block_id.gather(1, last.clamp(min=0)), torch.full_like(last, -1))

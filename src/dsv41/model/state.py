@@ -56,6 +56,7 @@ class SharedAttention:
     topk_source: int | None = None
     candidates: Tensor | None = None  # (B, T, N) bool: slots inside the candidate blocks
     candidate_source: int | None = None
+    candidate_blocks: Tensor | None = None  # sparse path: (B, T, Kb) long kept block ids, -1 = none
 
 
 @dataclass
@@ -66,11 +67,17 @@ class ForwardContext:
     positions: Tensor  # (B, T) long; position inside the document (RoPE, compression groups)
     window_start: Tensor | None = None  # (B, T) long; bounded replay: keys before this token are hidden
     training_losses: bool = False  # compute the indexer KL loss
+    attention: str = "dense"  # "dense": masked (B, T, T + N) spec; "sparse": window band ∪ gathered top-k
+    score_chunk: int = 512  # sparse path: queries per chunk of index scores (memory O(chunk·N))
     shared: SharedAttention = field(default_factory=SharedAttention)
     indexer_losses: list[Tensor] = field(default_factory=list)
     trace: list[dict] | None = None  # when a list, layers append what they read (tests, debugging)
     _slots: dict[int, EntrySlots] = field(default_factory=dict)
     _cache: dict[tuple, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("dense", "sparse"):
+            raise ValueError(f"attention must be 'dense' or 'sparse', got {self.attention!r}")
 
     @classmethod
     def build(cls, tokens: Tensor, doc_ids: Tensor | None = None, **kwargs) -> ForwardContext:

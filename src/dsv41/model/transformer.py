@@ -32,6 +32,7 @@ from dsv41.model.engram import Engram, NgramHasher
 from dsv41.model.mhc import hc_pre, identity_pre_mix
 from dsv41.model.moe import MoE, official_parameters
 from dsv41.model.norm import RMSNorm
+from dsv41.model.sparse_attention import attention_forward as sparse_attention
 from dsv41.model.state import ForwardContext
 from dsv41.plan import LayerPlan, layer_plan
 
@@ -125,9 +126,10 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Tensor, doc_ids: Tensor | None = None, image_mask: Tensor | None = None,
-                ctx: ForwardContext | None = None) -> Tensor:
-        """tokens (B, T) → logits (B, T, vocab) fp32. doc_ids (B, T) separates packed documents."""
-        ctx = ctx or ForwardContext.build(tokens, doc_ids)
+                ctx: ForwardContext | None = None, attention: str = "dense") -> Tensor:
+        """tokens (B, T) → logits (B, T, vocab) fp32. doc_ids (B, T) separates packed documents;
+        attention "dense" (the masked spec) or "sparse" (window band ∪ gathered top-k, same math)."""
+        ctx = ctx or ForwardContext.build(tokens, doc_ids, attention=attention)
         return self.head_logits(self.hidden(tokens, ctx, image_mask))
 
     def hidden(self, tokens: Tensor, ctx: ForwardContext, image_mask: Tensor | None = None,
@@ -144,7 +146,8 @@ class Transformer(nn.Module):
             if layer.engram is not None:
                 h = layer.engram(h, hash_ids[:, :, self.engram_index[layer.layer_id]], engram_mask)
                 entry = None  # Engram changed the streams: the next block projects them itself
-            h, pre_mix, entry = layer(h, pre_mix, partial(layer.attn, ctx=ctx), image_mask=image_mask,
+            attn = partial(sparse_attention, layer.attn) if ctx.attention == "sparse" else layer.attn
+            h, pre_mix, entry = layer(h, pre_mix, partial(attn, ctx=ctx), image_mask=image_mask,
                                       token_mask=token_mask, entry=entry, next_fn=self.next_fn(layer.layer_id))
         return entry[0]  # the last pass already collapsed the streams with the last pre-mix
 
@@ -163,11 +166,12 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ training entry point
     def losses(self, tokens: Tensor, targets: Tensor, doc_ids: Tensor | None = None,
                loss_mask: Tensor | None = None, image_mask: Tensor | None = None,
-               window_start: Tensor | None = None) -> Losses:
+               window_start: Tensor | None = None, attention: str = "dense") -> Losses:
         """All layers on all tokens (ordinary causal LM). `loss_mask` (B, T) picks the target
         positions; padding is excluded from the MoE statistics. `window_start` simulates bounded
-        replay (keys before it are hidden from the window)."""
-        ctx = ForwardContext.build(tokens, doc_ids, training_losses=True, window_start=window_start)
+        replay (keys before it are hidden from the window). `attention`: "dense" or "sparse"."""
+        ctx = ForwardContext.build(tokens, doc_ids, training_losses=True, window_start=window_start,
+                                   attention=attention)
         if loss_mask is None:
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
         logits = self.head_logits(self.hidden(tokens, ctx, image_mask, token_mask=loss_mask))

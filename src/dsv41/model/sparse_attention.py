@@ -1,0 +1,229 @@
+"""Sparse training attention: each query's window band ∪ its gathered top-k entries (issue 18, SPEC §3).
+
+The same math as the dense masked `attention.attend` (the executable spec and this path's test
+oracle) — one softmax over the window keys and the selected entries plus the per-head sink, K = V =
+the latent — with memory O(T·(W + K)·D) instead of O(T·(T + N)):
+  * window: queries in blocks of W against their own and the previous key block (2W keys), masked
+    by `window_band` (same document, t − W < u ≤ t, bounded-replay start) — never a (T, T) mask;
+  * entries: the K selected entries gathered per query, (B, T, K, D), validity from the slots;
+  * index scores: computed per chunk of `ForwardContext.score_chunk` queries without autograd,
+    only the top-k (and the candidate blocks) kept, so scoring needs O(chunk·N), not O(T·N);
+  * indexer KL over the top-k set (`indexer_kl_set = "topk"`): the target is the main attention
+    logits of the gathered entries (detached), the prediction the index scores recomputed with
+    autograd for the selected entries only.
+Forward and backward are plain autograd. The selection (top-k, candidate blocks) is the dense
+path's own functions applied per chunk, so both paths pick the same entries.
+
+`attention_forward(attn, x, ctx)` replaces `attn(x, ctx)` when `ctx.attention == "sparse"`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dsv41.model.attention import (
+    Attention,
+    Indexer,
+    candidate_block_ids,
+    candidate_layout,
+    newest_block,
+    select_topk,
+    topk_mask,
+)
+from dsv41.model.state import EntrySlots, ForwardContext
+from dsv41.plan import FULL, REINDEX, REUSE
+
+
+def window_band(doc_ids: Tensor, window_start: Tensor | None, window: int) -> Tensor:
+    """(B, T, 2W) bool: key u = (t // W − 1)·W + j (j < 2W) is in query t's window (same document,
+    t − W < u ≤ t, u ≥ the replay start). The band form of `ForwardContext.window_mask`."""
+    B, T = doc_ids.shape
+    W = window
+    nb = -(-T // W)
+    t = torch.arange(T, device=doc_ids.device).unsqueeze(-1)  # (T, 1)
+    u = (t // W - 1) * W + torch.arange(2 * W, device=doc_ids.device)  # (T, 2W) key index
+    ok = (u >= 0) & (u <= t) & (u > t - W)  # u ≤ t < T: in range whenever ok
+    key_doc = F.pad(doc_ids, (W, nb * W - T), value=-1)[:, u + W]  # (B, T, 2W)
+    mask = ok & (key_doc == doc_ids.unsqueeze(-1))
+    if window_start is not None:
+        mask &= u >= window_start.unsqueeze(-1)
+    return mask
+
+
+def window_blocks(kv: Tensor, window: int) -> Tensor:
+    """(B, T, D) keys → (B, nb, 2W, D): block b holds keys (b − 1)·W .. (b + 1)·W − 1 (zero padded)."""
+    B, T, D = kv.shape
+    W = window
+    nb = -(-T // W)
+    padded = F.pad(kv, (0, 0, W, nb * W - T))  # (B, (nb + 1)·W, D)
+    return padded.unfold(1, 2 * W, W).transpose(-1, -2)  # (B, nb, 2W, D)
+
+
+def _blocked(x: Tensor, window: int) -> Tensor:
+    """(B, T, ...) → (B, nb, W, ...), zero padded to whole blocks."""
+    T, W = x.size(1), window
+    nb = -(-T // W)
+    pad = [0, 0] * (x.dim() - 2) + [0, nb * W - T]
+    return F.pad(x, pad).unflatten(1, (nb, W))  # (B, nb, W, ...)
+
+
+def attend_sparse(q: Tensor, window_kv: Tensor, band: Tensor, window: int, entries: Tensor | None,
+                  entry_valid: Tensor | None, sink: Tensor, scale: float) -> Tensor:
+    """`attend` over a window band and gathered entries: one softmax with the sink.
+
+    q (B, T, H, D); window_kv (B, T, D); band (B, T, 2W) from `window_band`; entries (B, T, K, D)
+    gathered per query, entry_valid (B, T, K). Returns (B, T, H, D) in q's dtype."""
+    B, T, H, D = q.shape
+    dt = torch.promote_types(q.dtype, window_kv.dtype)
+    keys = window_blocks(window_kv.to(dt), window)  # (B, nb, 2W, D)
+    qb = _blocked(q.to(dt), window)  # (B, nb, W, H, D)
+    logits = [torch.einsum("bnihd,bnjd->bnihj", qb, keys).flatten(1, 2)[:, :T].float() * scale]  # (B, T, H, 2W)
+    masks = [band]
+    if entries is not None and entries.size(2):
+        logits.append(torch.einsum("bthd,btkd->bthk", q.to(dt), entries.to(dt)).float() * scale)  # (B, T, H, K)
+        masks.append(entry_valid)
+    scores = torch.cat(logits, dim=-1).masked_fill(~torch.cat(masks, dim=-1).unsqueeze(2), float("-inf"))
+    sink_col = sink.float().view(1, 1, H, 1).expand(B, T, H, 1)
+    probs = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)  # (B, T, H, 2W + K + 1)
+    pw = _blocked(probs[..., :2 * window].to(dt), window)  # (B, nb, W, H, 2W)
+    o = torch.einsum("bnihj,bnjd->bnihd", pw, keys).flatten(1, 2)[:, :T]  # (B, T, H, D)
+    if len(logits) > 1:
+        o = o + torch.einsum("bthk,btkd->bthd", probs[..., 2 * window:-1].to(dt), entries.to(dt))
+    return o.to(q.dtype)
+
+
+def gather_rows(x: Tensor, index: Tensor) -> Tensor:
+    """x (B, N, D), index (B, T, K) with −1 = none → (B, T, K, D) (row 0 where none)."""
+    rows = torch.arange(x.size(0), device=x.device).view(-1, 1, 1)
+    return x[rows, index.clamp(min=0)]
+
+
+def entry_validity(slots: EntrySlots, topk: Tensor, doc_ids: Tensor) -> Tensor:
+    """(B, T, K) bool: pick k is an entry query t may see (same document, group ended, valid slot)."""
+    B, T, K = topk.shape
+    idx = topk.clamp(min=0).flatten(1)  # (B, T·K)
+    doc = slots.doc.gather(1, idx).view(B, T, K)
+    end = slots.token.gather(1, idx).view(B, T, K)
+    ok = slots.valid.gather(1, idx).view(B, T, K)
+    t = torch.arange(T, device=topk.device).view(1, T, 1)
+    return (topk >= 0) & ok & (doc == doc_ids.unsqueeze(-1)) & (end <= t)
+
+
+@torch.no_grad()
+def chunked_selection(scores_fn, slots: EntrySlots, doc_ids: Tensor, k: int, chunk: int,
+                      candidates: Tensor | None = None, block_size: int = 1, pick_blocks: int = 0
+                      ) -> tuple[Tensor, Tensor | None]:
+    """Top-k slots per query from index scores made `chunk` queries at a time (never (B, T, N)).
+
+    scores_fn(t0, t1) → (B, t1 − t0, N) index scores of those queries. `candidates` (B, T, Kb): kept
+    block ids (blocks of `block_size` slots) that restrict the choice (Reindex layers); `pick_blocks`
+    > 0: also pick that many candidate blocks per query (the candidate source). Returns
+    (top-k (B, T, K), candidate block ids (B, T, pick_blocks) or None)."""
+    B, T = doc_ids.shape
+    token = torch.arange(T, device=doc_ids.device).expand(B, T)
+    layout = None
+    if candidates is not None or pick_blocks:
+        layout = candidate_layout(slots, block_size)
+    candidate_args = (block_size, pick_blocks) if pick_blocks else None
+    tops, kept = [], []
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        visible = slots.visible(doc_ids[:, t0:t1], token[:, t0:t1])  # (B, C, N)
+        scores = scores_fn(t0, t1).masked_fill(~visible, float("-inf"))
+        if candidate_args is not None:
+            block_id, n_blocks = layout
+            kept.append(candidate_block_ids(scores, block_id, n_blocks, newest_block(visible, block_id),
+                                            candidate_args[1]))
+        elif candidates is not None:
+            block_id, n_blocks = layout
+            pool = topk_mask(candidates[:, t0:t1], n_blocks)  # (B, C, blocks)
+            pool = pool.gather(-1, block_id.unsqueeze(1).expand(-1, t1 - t0, -1))  # (B, C, N)
+            scores = scores.masked_fill(~pool, float("-inf"))
+        tops.append(select_topk(scores, k))
+    return torch.cat(tops, dim=1), (torch.cat(kept, dim=1) if kept else None)
+
+
+def indexer_kl_topk(entry_logits: Tensor, valid: Tensor, index_scores: Tensor) -> Tensor:
+    """KL(main attention over the selected entries ‖ softmax of their index scores), mean over
+    queries with any entry. entry_logits (B, T, H, K) main-attention logits (taken detached: the
+    target is a constant, heads' probabilities summed and renormalized); valid (B, T, K);
+    index_scores (B, T, K) with autograd. The top-k form of `attention.indexer_kl`."""
+    has_any = valid.any(-1)  # (B, T)
+    if not bool(has_any.any()):
+        return index_scores.new_zeros(())
+    with torch.no_grad():
+        logits = entry_logits.detach().double().masked_fill(~valid.unsqueeze(2), float("-inf"))
+        target = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)  # (B, T, K)
+        target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
+    log_pred = torch.log_softmax(index_scores.double().masked_fill(~valid, float("-inf")), dim=-1)
+    kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred), torch.zeros_like(target))
+    return kl.sum(-1)[has_any].mean().to(index_scores.dtype)
+
+
+def selected_index_scores(iq: Tensor, weights: Tensor, index_k: Tensor, topk: Tensor) -> Tensor:
+    """Index scores Σ_h w_h·relu(q_h·k_s) of the selected entries only: (B, T, K), with autograd."""
+    keys = gather_rows(index_k, topk)  # (B, T, K, Di)
+    per_head = torch.einsum("bthd,btkd->bthk", iq.float(), keys.float()).relu()  # (B, T, Hi, K)
+    return (per_head * weights.unsqueeze(-1)).sum(2)
+
+
+def attention_forward(attn: Attention, x: Tensor, ctx: ForwardContext) -> Tensor:
+    """`Attention.forward` on the sparse path: same parameters, sharing and outputs."""
+    cos, sin = attn.angles(ctx.positions)
+    qr, q = attn.query(x, cos, sin)
+    window_kv = attn.window_kv(x, cos, sin)
+    key = ("band", attn.window)
+    if key not in ctx._cache:
+        ctx._cache[key] = window_band(ctx.doc_ids, ctx.window_start, attn.window)
+    entries = valid = None
+    if attn.ratio:
+        entries, valid = _compressed(attn, x, qr, q, ctx)
+    o = attend_sparse(q, window_kv, ctx._cache[key], attn.window, entries, valid, attn.attn_sink, attn.scale)
+    return attn.output(o, cos, sin)
+
+
+def _compressed(attn: Attention, x: Tensor, qr: Tensor, q: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+    """The CSA2 sharing of `Attention._compressed` with chunked selection; returns the gathered
+    entries (B, T, K, D) and their validity (B, T, K)."""
+    shared, mode, plan = ctx.shared, attn.plan.mode, attn.plan
+    if mode == FULL:
+        slots = ctx.slots(attn.ratio)
+        latent = attn.compressor(x, slots.token)
+        shared.kv, shared.index_k = attn.entries(latent, slots.first_position)
+        shared.slots, shared.kv_source = slots, attn.layer_id
+    slots = shared.slots
+    iq = weights = None
+    if mode in (FULL, REINDEX):
+        cos, sin = attn.angles(ctx.positions)
+        iq = attn.indexer.queries(qr.detach(), cos, sin, attn.qat)
+        weights = attn.indexer.head_weights(x.detach())
+        index_k = shared.index_k
+
+        def scores_fn(t0: int, t1: int) -> Tensor:
+            return Indexer.scores(iq[:, t0:t1], weights[:, t0:t1], index_k)
+
+        pick = attn.candidate_topk_blocks if plan.candidate_source else 0
+        pool = shared.candidate_blocks if plan.uses_candidates and not plan.candidate_source else None
+        shared.topk, kept = chunked_selection(scores_fn, slots, ctx.doc_ids, attn.index_topk, ctx.score_chunk,
+                                              candidates=pool, block_size=attn.candidate_block_size,
+                                              pick_blocks=pick)
+        if kept is not None:
+            shared.candidate_blocks, shared.candidate_source = kept, attn.layer_id
+        shared.topk_source = attn.layer_id
+    valid = entry_validity(slots, shared.topk, ctx.doc_ids)
+    entries = gather_rows(shared.kv, shared.topk)  # (B, T, K, D)
+    if mode in (FULL, REINDEX) and ctx.training_losses:
+        if attn.kl_set != "topk":
+            raise ValueError("the sparse attention path computes the indexer KL over the top-k set only "
+                             "(indexer_kl_set='topk'); use attention='dense' for 'allowed'")
+        entry_logits = torch.einsum("bthd,btkd->bthk", q.detach().float(), entries.detach().float()) * attn.scale
+        selected = selected_index_scores(iq, weights, shared.index_k, shared.topk)
+        ctx.indexer_losses.append(indexer_kl_topk(entry_logits, valid, selected))
+    if ctx.trace is not None:
+        ctx.trace.append(dict(layer=attn.layer_id, mode=mode, kv_source=shared.kv_source, kv=shared.kv,
+                              topk_source=shared.topk_source, topk=shared.topk, allowed=None,
+                              candidates=shared.candidate_blocks if mode == REINDEX else None,
+                              reused=mode == REUSE))
+    return entries, valid
