@@ -15,6 +15,8 @@ from typing import Any
 EXAMPLES = """examples:
   dsv41 train --preset tiny --out runs/tiny --steps=200 --seq_len=256 --batch_size=4
   dsv41 train --preset small --data data/corpus --out runs/small --total_tokens=2e9 --dtype=bf16
+  dsv41 train --preset small --seq_len=65536 --batch_size=1 --checkpoint-activations --compile --dtype=bf16
+  dsv41 train --preset tiny --attention=dense        # the dense masked spec (same math, O(T²) memory)
   dsv41 train --out runs/small                       # resumes from runs/small/latest
   dsv41 train --resume runs/small/ckpt-001000 --out runs/small
   dsv41 train --plot runs/small                      # runs/small/curves.png from metrics.jsonl

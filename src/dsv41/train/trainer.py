@@ -44,6 +44,7 @@ import types
 import typing
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,9 @@ class TrainConfig:
     seed: int = 0  # weights, data order and replay starts
     dtype: str = "fp32"  # "fp32" or "bf16" (autocast; master weights and optimizer state stay fp32)
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-    compile: bool = False  # torch.compile the training forward (model.losses)
+    compile: bool = False  # torch.compile every Block, applied from outside (apply_block_options)
+    attention: str = "sparse"  # "sparse" (window band ∪ gathered top-k) or "dense" (the masked spec); same math
+    checkpoint_activations: bool = False  # recompute each Block's activations in the backward pass
     threads: int = 0  # > 0: torch.set_num_threads (CPU determinism and sharing)
     # --- post-training switches ---
     qat_from_tokens: int = -1  # >= 0: fake-quantize the KV (QAT) from this many tokens on; < 0 never
@@ -128,6 +131,8 @@ class TrainConfig:
             bad("replay_fraction", f"must lie in [0, 1], got {self.replay_fraction}")
         if self.lr < 0 or self.lr_final < 0:
             bad("lr", "learning rates must be >= 0")
+        if self.attention not in ("dense", "sparse"):
+            bad("attention", f"must be 'dense' or 'sparse', got {self.attention!r}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -290,6 +295,44 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def apply_block_options(model: Transformer, checkpoint: bool = False, compile: bool = False) -> None:
+    """Activation checkpointing and `torch.compile` per Block, applied from outside (torchtitan's
+    `parallelize` pattern): each Block's forward is wrapped, the model code is untouched.
+
+    Checkpointing recomputes a Block in the backward pass. The recompute must see the per-forward
+    CSA2 state (`ForwardContext.shared`) as the first run did — later blocks have overwritten it by
+    then — so the wrapper snapshots the record before the block and restores it for the recompute."""
+    for block in model.layers:
+        forward = torch.compile(block.forward) if compile else block.forward
+        if checkpoint:
+            forward = _checkpointed(forward)
+        if compile or checkpoint:
+            block.forward = forward
+
+
+def _checkpointed(forward):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(h: Tensor, pre_mix: Tensor, attention, **kwargs):
+        ctx = attention.keywords["ctx"]  # the partial(attn, ctx=ctx) the model passes
+        snapshot = dataclasses.replace(ctx.shared)
+        calls = []
+
+        def body(h: Tensor, pre_mix: Tensor):
+            if calls:  # the recompute: the shared CSA2 state as it was before this block
+                ctx.shared = dataclasses.replace(snapshot)
+                n_losses = len(ctx.indexer_losses)
+            calls.append(1)
+            out = forward(h, pre_mix, attention, **kwargs)
+            if len(calls) > 1:
+                del ctx.indexer_losses[n_losses:]  # already counted in the first run
+            return out
+
+        return checkpoint(body, h, pre_mix, use_reentrant=False)
+
+    return run
+
+
 # ---------------------------------------------------------------------- trainer
 class Trainer:
     """Builds model, optimizer, schedule and data from a TrainConfig; `run()` trains to the end.
@@ -339,7 +382,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, tc.lr, weight_decay=tc.weight_decay,
                                          engram_lr_mult=tc.engram_lr_mult)
         self.schedule = tc.schedule()
-        self._losses = torch.compile(self.model.losses) if tc.compile else self.model.losses
+        apply_block_options(self.model, checkpoint=tc.checkpoint_activations, compile=tc.compile)
+        self._losses = partial(self.model.losses, attention=tc.attention)
         self.qat_modules = [m for m in self.model.modules() if hasattr(m, "qat")]
 
         # position in the run
@@ -416,7 +460,7 @@ class Trainer:
             for b in self.val_set:
                 b = {k: v.to(self.device) for k, v in b.items()}
                 with self._autocast():
-                    logits = self.model(b["tokens"], doc_ids=b["doc_ids"])  # (B, T, V) fp32
+                    logits = self.model(b["tokens"], doc_ids=b["doc_ids"], attention=self.tc.attention)  # (B, T, V)
                 ce = F.cross_entropy(logits.float().flatten(0, 1), b["targets"].flatten(), reduction="none")
                 nll += (ce * b["loss_mask"].flatten()).sum().double()
                 n += int(b["loss_mask"].sum())
