@@ -14,8 +14,12 @@ layer also picks candidate blocks, and later Reindex layers score only inside th
 through the per-forward `ForwardContext.shared` record — never a module global.
 
 The indexer learns from an auxiliary KL loss (SPEC §3 decision): target = main attention
-probability over the entries the layer may select (heads summed, renormalized), prediction =
-softmax of the index scores over the same entries; the indexer's inputs are detached.
+probability over the layer's top-k entries (config `indexer_kl_set="topk"`, DeepSeek-V3.2's sparse
+stage) or over every entry it may select (`"allowed"`, the dense form) — heads summed, renormalized
+— prediction = softmax of the index scores over the same entries; the indexer's inputs are detached.
+
+`attend` is the dense masked form; `model/sparse_attention.py` computes the same attention with
+memory O(T·(W + K)) for training at length (docs/training.md).
 
 This is the eager, readable path (the executable spec) that training runs; the engine calls the
 fused kernels in `kernels.ops`, whose torch twins are built from `attend_gathered`, `Indexer.scores`,
