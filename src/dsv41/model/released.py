@@ -1,0 +1,208 @@
+"""`weights="as-released"`: run the model as the release's own inference code runs its checkpoint.
+
+The float model stays the default (training, and what tests compare against). `as_released(model)`
+changes it in place from the outside — a module swap, as gpt-fast's `quantize.py` does — so
+that every tensor takes the form the release stores it in (`dsv41.checkpoint.release_format`)
+and computes the way `inference/model.py` computes with it (SPEC §1a "weights"):
+
+* linears stored FP8 (attention `wq_a`, `wq_b`, `wkv`, `wo_b`; indexer `wq_b`; the shared expert;
+  Engram `wkv`) become `FP8Linear`: the input is quantized per 1×32 block to E4M3 with a
+  power-of-two scale (`quant.fp8_gemm.act_quant`) and multiplied with the E4M3 weight and its 32×32
+  tile scales, accumulating in fp32 — the Triton kernel on CUDA (`quant.fp8_gemm_triton`), the
+  torch twin elsewhere (`DSV41_KERNELS=torch` forces the twin);
+* `attn.wo_a` is stored FP8 but the reference dequantizes it to BF16 (convert.py) and runs its
+  grouped einsum unquantized: its weight is rounded through FP8 and stays a plain weight;
+* Engram tables become `FP8RowTable`: E4M3 rows with an E8M0 scale per 32 channels, gathered and
+  dequantized per lookup (the table is never held in float). Its rows feed the FP8 `wkv`, whose
+  activation quantization reproduces the stored codes and scales exactly (each 32-channel block
+  of a dequantized row re-quantizes to itself), so this equals feeding the rows with their own
+  scales into the FP8 product — which is the reference's computation;
+* tensors stored BF16 (embedding, head, router, compressor, index-key projection, norms, Engram
+  q/k weights) are rounded to BF16 values; FP32 ones (mHC, sinks, gate biases) stay.
+* Routed experts: their weights are rounded through MXFP4 (what the release stores), but their
+  activations are not quantized yet — the release's FP8 × FP4 expert product waits for the
+  stacked expert layout (docs/checkpoint.md).
+
+`load_checkpoint(..., weights="as-released")` builds the same modules on the meta device
+(`swap_released_modules`) and fills them with the file's FP8 codes and scales, never a float copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from dsv41.checkpoint.release_format import BF16, BLOCK, FP8_ROWS, FP8_TILES, MXFP4, storage_of
+from dsv41.quant.fp4 import mxfp4_dequantize_weight, mxfp4_quantize_weight
+from dsv41.quant.fp8 import (
+    fp8_block_dequantize_weight,
+    fp8_block_quantize_weight,
+    fp8_row_dequantize,
+    fp8_row_quantize,
+)
+from dsv41.quant.fp8_gemm import act_quant, fp8_gemm_twin
+
+# stored FP8 but run as a dequantized BF16 weight by the reference (convert.py dequantizes it)
+WEIGHT_ONLY_FP8 = ("attn.wo_a",)
+
+
+def _use_triton(*tensors: Tensor) -> bool:
+    """The kernel boundary's rule (`dsv41.kernels.ops`): Triton on CUDA unless `torch` is forced."""
+    from dsv41.kernels import ops
+
+    choice = ops.backend()
+    if choice == "torch" or not ops.HAVE_TRITON:
+        return False
+    return choice == "triton" or all(t.is_cuda for t in tensors)
+
+
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
+    """The release's FP8 linear: x (..., K) → (..., N) in x's dtype; weight (N, K) E4M3, scale the
+    E8M0 32×32 tile scales (ceil(N/32), ceil(K/32))."""
+    n, k = weight.shape
+    flat = x.reshape(-1, k)  # (M, K)
+    xq, xs = act_quant(flat)
+    if _use_triton(xq, weight):
+        from dsv41.quant.fp8_gemm_triton import fp8_gemm_triton
+
+        out = fp8_gemm_triton(xq, xs, weight, scale, x.dtype)
+    else:
+        out = fp8_gemm_twin(xq, xs, weight, scale, x.dtype)
+    return out.reshape(*x.shape[:-1], n)  # (..., N)
+
+
+class _StoredBuffers(nn.Module):
+    """Holds `weight` / `scale` in the release's dtypes (float8_e4m3fn, float8_e8m0fnu). `model.to(dtype)`
+    casts every floating tensor, float8 included: here only devices move, never the formats."""
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        # an integer probe shows where `fn` sends tensors without casting it
+        device = fn(torch.empty(0, dtype=torch.uint8, device=self.weight.device)).device
+        for name in ("weight", "scale"):
+            self._buffers[name] = self._buffers[name].to(device)
+        return self
+
+
+class FP8Linear(_StoredBuffers):
+    """nn.Linear (no bias) whose weight is the release's: `weight` E4M3 (out, in), `scale` E8M0 per 32×32 tile."""
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn,
+                                                   device=device))
+        self.register_buffer("scale", torch.empty(math.ceil(out_features / BLOCK), math.ceil(in_features / BLOCK),
+                                                  dtype=torch.float8_e8m0fnu, device=device))
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> FP8Linear:
+        """Quantize a float linear's weight by the release's rule (`fp8_block_quantize_weight`)."""
+        if linear.bias is not None:
+            raise ValueError("FP8Linear: the release's FP8 linears have no bias")
+        module = cls(linear.in_features, linear.out_features, device=linear.weight.device)
+        codes, scale = fp8_block_quantize_weight(linear.weight.detach())
+        module.weight, module.scale = codes.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu)
+        return module
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return fp8_block_dequantize_weight(self.weight, self.scale, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_linear(x, self.weight, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 32x32 blocks"
+
+
+class FP8RowTable(_StoredBuffers):
+    """nn.Embedding whose table is the release's: `weight` E4M3 (rows, dim), `scale` E8M0 (rows, ceil(dim/32))."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device: torch.device | str | None = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim, dtype=torch.float8_e4m3fn,
+                                                   device=device))
+        self.register_buffer("scale", torch.empty(num_embeddings, math.ceil(embedding_dim / BLOCK),
+                                                  dtype=torch.float8_e8m0fnu, device=device))
+
+    @classmethod
+    def from_float(cls, embedding: nn.Embedding) -> FP8RowTable:
+        module = cls(embedding.num_embeddings, embedding.embedding_dim, device=embedding.weight.device)
+        codes, scale = fp8_row_quantize(embedding.weight.detach())
+        module.weight, module.scale = codes.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu)
+        return module
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """ids (...) → rows (..., dim) fp32, dequantized from the gathered codes and scales (exact)."""
+        codes = self.weight.view(torch.uint8)[ids]  # (..., dim): gather bytes, not floats
+        scales = self.scale.view(torch.uint8)[ids]  # (..., ceil(dim/32))
+        return fp8_row_dequantize(codes, scales)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, fp8 rows, scale per 32"
+
+
+# ---------------------------------------------------------------------- the swap
+def _runs_fp8(name: str) -> bool:
+    """Does the reference run this module as an FP8 GEMM (rather than a dequantized weight)?"""
+    return not name.endswith(WEIGHT_ONLY_FP8)
+
+
+def _released_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every nn.Linear / nn.Embedding the release stores and runs in FP8."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and storage_of(f"{name}.weight") == FP8_TILES and _runs_fp8(name):
+            out.append((name, module))
+        elif isinstance(module, nn.Embedding) and storage_of(f"{name}.weight") == FP8_ROWS:
+            out.append((name, module))
+    return out
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, new)
+
+
+def swap_released_modules(model: nn.Module, quantize: bool = True) -> nn.Module:
+    """Replace the FP8 linears and tables by `FP8Linear` / `FP8RowTable`, quantizing their float
+    weights (`quantize=True`) or leaving them empty on the meta device (a skeleton the loader fills)."""
+    for name, module in _released_targets(model):
+        if isinstance(module, nn.Linear):
+            new = FP8Linear.from_float(module) if quantize else FP8Linear(module.in_features, module.out_features,
+                                                                         device="meta")
+        else:
+            new = FP8RowTable.from_float(module) if quantize else FP8RowTable(module.num_embeddings,
+                                                                             module.embedding_dim, device="meta")
+        _replace(model, name, new)
+    return model
+
+
+@torch.no_grad()
+def round_as_stored(name: str, value: Tensor) -> Tensor:
+    """A float tensor's value after a trip through the release's storage of `name` (same dtype):
+    BF16 rounding, FP8 tiles (weight-only `wo_a`), MXFP4 (routed experts); FP32 unchanged."""
+    storage = storage_of(name)
+    if storage == BF16:
+        return value.to(torch.bfloat16).to(value.dtype)
+    if storage == FP8_TILES:
+        return fp8_block_dequantize_weight(*fp8_block_quantize_weight(value), dtype=value.dtype)
+    if storage == MXFP4:
+        return mxfp4_dequantize_weight(*mxfp4_quantize_weight(value), dtype=value.dtype)
+    return value
+
+
+@torch.no_grad()
+def as_released(model: nn.Module) -> nn.Module:
+    """Make `model` (a float Transformer) compute as the release does with its checkpoint; in place,
+    returns the model. Applying it twice changes nothing the second time."""
+    swap_released_modules(model, quantize=True)
+    for name, p in model.named_parameters():
+        p.copy_(round_as_stored(name, p))
+    return model
+
+
+def is_released(model: nn.Module) -> bool:
+    return any(isinstance(m, (FP8Linear, FP8RowTable)) for m in model.modules())
