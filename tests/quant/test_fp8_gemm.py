@@ -86,7 +86,8 @@ def _e8m0(t: torch.Tensor) -> np.ndarray:
 def _inputs(seed: int, m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations with a spread of magnitudes per block (and a few outliers), Gaussian weights."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, k // 32, 1, generator=g) * 2).repeat(1, 1, 32).view(m, k)
+    spread = torch.exp(torch.randn(m, k // 32, 1, generator=g) * 2).repeat(1, 1, 32).view(m, k)  # (M, K)
+    x = torch.randn(m, k, generator=g) * spread
     x[torch.rand(m, k, generator=g) < 0.01] *= 30.0
     w = torch.randn(n, k, generator=g) * 0.02
     return x, w

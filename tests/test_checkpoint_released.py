@@ -1,0 +1,226 @@
+"""`weights="as-released"`: the swap, its numerics per linear, the loader, streaming (issue 23 acceptance 2, 3).
+
+Every FP8 linear of an as-released model is checked on the activations it really sees against the
+independent fp64 emulation of tests/quant/test_fp8_gemm.py (activation quantization + block-scaled
+FP8 product) and against the float path; the measured per-linear errors are printed (`-s`).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from tests.conftest import randomize_mixing
+from tests.quant.test_fp8_gemm import E4M3, emulate_act_quant, emulate_fp8_gemm
+
+import dsv41
+from dsv41.checkpoint import load_checkpoint, load_state_dict_file, read_state_dict, save_checkpoint
+from dsv41.checkpoint.files import TensorStore
+from dsv41.model.released import FP8Linear, FP8RowTable, as_released, is_released
+from dsv41.model.transformer import Transformer
+from dsv41.quant.fp8 import fp8_block_dequantize_weight, fp8_block_quantize_weight
+from dsv41.quant.fp8_gemm import act_quant
+
+
+def _model(preset: str = "tiny", seed: int = 0) -> Transformer:
+    """Training init plus noise on every tensor, randomized mixing (every coefficient matters)."""
+    model = Transformer(dsv41.load_config(preset)).init_weights(seed=seed).eval()
+    randomize_mixing(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Transformer:
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def released(tiny) -> Transformer:
+    return as_released(copy.deepcopy(tiny))
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(tiny, tmp_path_factory):
+    return save_checkpoint(tiny, tmp_path_factory.mktemp("rel") / "ckpt", fmt="official-fp8")
+
+
+def _tokens(seed: int = 5, n: int = 48) -> torch.Tensor:
+    return torch.randint(0, 16384, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------- what the swap does
+def test_swap_replaces_exactly_the_fp8_linears_and_the_tables(tiny, released):
+    fp8 = {n for n, m in released.named_modules() if isinstance(m, FP8Linear)}
+    tables = {n for n, m in released.named_modules() if isinstance(m, FP8RowTable)}
+    want = {n for n, m in tiny.named_modules() if isinstance(m, torch.nn.Linear)
+            and n.rsplit(".", 1)[-1] in ("wq_a", "wq_b", "wkv", "wo_b", "w1", "w2", "w3")
+            and ".compressor." not in n and ".experts." not in n}
+    assert fp8 == want, sorted(fp8 ^ want)
+    assert tables == {"layers.1.engram.embed"}
+    assert isinstance(released.layers[0].attn.wo_a, torch.nn.Linear)  # the reference runs it dequantized
+    assert not is_released(tiny) and is_released(released)
+    # wo_a's weight is the FP8 value, stored-BF16 tensors are BF16 values, FP32 ones untouched
+    wo_a = tiny.layers[3].attn.wo_a.weight
+    q, s = released.layers[3].attn.wo_a.weight, tiny.layers[3].attn.wq_a.weight
+    assert not torch.equal(q, wo_a) and torch.equal(q, fp8_block_dequantize_weight(*fp8_block_quantize_weight(wo_a)))
+    assert torch.equal(released.layers[3].ffn.gate.weight, tiny.layers[3].ffn.gate.weight.bfloat16().float())
+    assert torch.equal(released.layers[3].hc_attn_fn, tiny.layers[3].hc_attn_fn)
+    assert s.dtype == torch.float32  # the float model is left alone
+    before = _values(released, exact_bytes=True)
+    as_released(released)  # idempotent
+    after = _values(released, exact_bytes=True)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_every_fp8_linear_equals_the_emulation_and_tracks_the_float_path(tiny, released):
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(lambda m, a, name=name: inputs.setdefault(name, a[0].detach()))
+             for name, m in released.named_modules() if isinstance(m, FP8Linear)]
+    with torch.no_grad():
+        released(_tokens())
+    for h in hooks:
+        h.remove()
+    modules = dict(released.named_modules())
+    floats = dict(tiny.named_modules())
+    rows = []
+    for name, x in inputs.items():
+        m = modules[name]
+        x2 = x.reshape(-1, m.in_features)
+        xq, xs = emulate_act_quant(x2.numpy())
+        wq = m.weight.view(torch.uint8).numpy().astype(np.int64)
+        ws = np.ldexp(1.0, m.scale.view(torch.uint8).numpy().astype(np.int64) - 127)
+        want = emulate_fp8_gemm(xq.astype(np.int64), xs, wq, ws)
+        with torch.no_grad():
+            got = m(x2).double().numpy()
+            exact = F.linear(x2.double(), floats[name].weight.double()).numpy()
+        vs_emulation = np.abs(got - want).max() / np.abs(want).max()
+        vs_float = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+        rows.append((name, vs_emulation, vs_float))
+        assert vs_emulation < 2e-6, f"{name}: max error {vs_emulation:.2e} vs the fp64 emulation"
+        assert 0.003 < vs_float < 0.08, f"{name}: relative error vs the float path {vs_float:.4f}"
+    assert len(rows) == sum(isinstance(m, FP8Linear) for m in released.modules())
+    errs = np.array([r[2] for r in rows])
+    print(f"\n{len(rows)} FP8 linears: vs emulation max {max(r[1] for r in rows):.1e}; vs float path "
+          f"mean {errs.mean() * 100:.2f} %, min {errs.min() * 100:.2f} %, max {errs.max() * 100:.2f} %")
+
+
+def test_engram_rows_requantize_to_their_stored_values():
+    """The FP8 wkv re-quantizes each looked-up 32-channel block of a row to exactly its stored value
+    (codes × scale; the same codes, or twice the codes at half the scale where the block's largest
+    code is 224), so the reference's dequantize → act_quant → FP8 GEMM is the FP8 rows × their scales."""
+    model = as_released(_model("tiny", seed=2).__class__(dsv41.load_config("tiny").replace(engram_head_dim=64))
+                        .init_weights(seed=2))
+    table = model.layers[1].engram.embed
+    ids = torch.randint(0, table.num_embeddings, (3, 40, 6), generator=torch.Generator().manual_seed(0))
+    rows = table(ids).flatten(-2)  # (3, 40, 6 * 64): what Engram hands to wkv
+    codes, scales = act_quant(rows)
+    stored = table.weight.view(torch.uint8)[ids].flatten(-2).numpy()
+    stored_scales = np.ldexp(1.0, table.scale.view(torch.uint8)[ids].flatten(-2).numpy().astype(np.int64) - 127)
+    stored_values = E4M3[stored] * np.repeat(stored_scales, 32, -1)
+    assert np.array_equal(stored_values, rows.double().numpy())
+    requantized = E4M3[codes.view(torch.uint8).numpy()] * np.repeat(scales.double().numpy(), 32, -1)
+    assert np.array_equal(requantized, stored_values)
+    same_codes = (scales.double().numpy() == stored_scales).mean()
+    assert 0.5 < same_codes <= 1.0, same_codes  # mostly the very codes; halved scales only at max code 224
+
+
+def test_as_released_logits_track_the_float_model_and_run_in_the_engine(tiny, released):
+    from dsv41.engine.engine import Engine
+
+    with torch.no_grad():
+        a, b = tiny(_tokens()), released(_tokens())
+    rel = ((a - b).norm() / a.norm()).item()
+    cosine = F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+    assert cosine > 0.99 and rel > 1e-3, f"cosine {cosine:.5f}, relative difference {rel:.4f}"
+    out = Engine(released).generate([[5, 6, 7, 8, 9, 10]], max_tokens=4)
+    assert len(out[0]) == 4
+    bf16 = copy.deepcopy(released).to(torch.bfloat16)  # dtype casts keep the FP8 formats
+    assert bf16.layers[2].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert bf16.layers[2].attn.wq_a.scale.dtype == torch.float8_e8m0fnu
+
+
+# ---------------------------------------------------------------------- the loader
+def test_as_released_load_keeps_the_files_codes_and_equals_the_swap(fp8_dir, tiny):
+    loaded = load_checkpoint(fp8_dir, weights="as-released")
+    raw = load_state_dict_file(fp8_dir / "model.safetensors")
+    for name, m in loaded.named_modules():
+        if isinstance(m, (FP8Linear, FP8RowTable)):
+            assert torch.equal(m.weight.view(torch.uint8), raw[f"{name}.weight"].view(torch.uint8)), name
+            assert torch.equal(m.scale.view(torch.uint8), raw[f"{name}.scale"].view(torch.uint8)), name
+    from_float = as_released(copy.deepcopy(tiny))  # the same bytes: the saver used the same rule
+    converted = as_released(load_checkpoint(fp8_dir))  # float load (dequantized), then the swap
+    for other, exact_bytes in ((from_float, True), (converted, False)):
+        a, b = _values(loaded, exact_bytes), _values(other, exact_bytes)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    with torch.no_grad():
+        logits = loaded(_tokens())
+        assert torch.equal(logits, from_float(_tokens())) and torch.equal(logits, converted(_tokens()))
+
+
+def _values(model: Transformer, exact_bytes: bool) -> dict[str, torch.Tensor]:
+    """State by value: FP8 modules as their bytes, or as their dequantized values (re-quantizing a
+    dequantized block can give twice the codes at half the scale: the same values)."""
+    out = dict(model.state_dict())
+    for name, m in model.named_modules():
+        if isinstance(m, (FP8Linear, FP8RowTable)):
+            codes, scale = out.pop(f"{name}.weight"), out.pop(f"{name}.scale")
+            if exact_bytes:
+                out[f"{name}.weight"], out[f"{name}.scale"] = codes.view(torch.uint8), scale.view(torch.uint8)
+            else:
+                out[f"{name}.weight"] = m.dequantized() if isinstance(m, FP8Linear) else m(torch.arange(
+                    m.num_embeddings))
+    return out
+
+
+def test_saving_an_as_released_model_writes_the_same_checkpoint(fp8_dir, released, tmp_path):
+    """Same values everywhere; the FP8 modules' codes are written as they are (the very bytes)."""
+    again = save_checkpoint(released, tmp_path / "again", fmt="official-fp8")
+    a = load_state_dict_file(fp8_dir / "model.safetensors")
+    b = load_state_dict_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype for k in a)
+    va, vb = read_state_dict(fp8_dir), read_state_dict(again)
+    assert va.keys() == vb.keys() and all(torch.equal(va[k], vb[k]) for k in va)
+    coded = [f"{n}.{leaf}" for n, m in released.named_modules() if isinstance(m, (FP8Linear, FP8RowTable))
+             for leaf in ("weight", "scale")]
+    assert coded and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in coded)
+
+
+def test_loading_streams_one_tensor_at_a_time(fp8_dir, monkeypatch):
+    """Host tensors read from the file are alive one (weight + scale) at a time, never the checkpoint."""
+    live = {"now": 0, "peak": 0, "reads": 0}
+    real = TensorStore.get
+
+    def counting(self, name):
+        t = real(self, name)
+        n = t.numel() * t.element_size()
+        live["now"] += n
+        live["peak"] = max(live["peak"], live["now"])
+        live["reads"] += 1
+        weakref.finalize(t, lambda n=n: live.__setitem__("now", live["now"] - n))
+        return t
+
+    monkeypatch.setattr(TensorStore, "get", counting)
+    raw = load_state_dict_file(fp8_dir / "model.safetensors")
+    sizes = {k: v.numel() * v.element_size() for k, v in raw.items()}
+    largest = max(sizes[k] + sizes.get(k.removesuffix("weight") + "scale", 0) for k in sizes)
+    assert largest < sum(sizes.values()) / 2  # so "one tensor at a time" is not "everything"
+    for weights in ("float", "as-released"):
+        live.update(now=0, peak=0, reads=0)
+        load_checkpoint(fp8_dir, weights=weights)
+        assert live["reads"] == len(raw), weights  # every stored tensor read exactly once
+        assert live["peak"] <= largest, f"{weights}: {live['peak']} bytes alive at once > largest {largest}"
+
+
+def test_weights_argument_is_checked(fp8_dir):
+    with pytest.raises(ValueError, match="weights"):
+        load_checkpoint(fp8_dir, weights="int4")  # type: ignore[arg-type]
