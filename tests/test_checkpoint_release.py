@@ -15,6 +15,7 @@ import re
 import pytest
 
 import dsv41
+from dsv41.accounting import compute
 from dsv41.checkpoint import read_header, save_checkpoint
 from dsv41.checkpoint.release_format import ReleaseFormatError, storage_of, stored_bytes
 from dsv41.model.transformer import Transformer
@@ -103,7 +104,21 @@ def test_official_fp8_save_has_exactly_the_release_layout(model, tmp_path):
             begin, end = header[stored]["data_offsets"]
             assert end - begin == math.prod(shape) * (4 if dtype == "F32" else 2 if dtype == "BF16" else 1), stored
     assert set(header) == set(expected), sorted(set(header) ^ set(expected))[:5]
-    assert sum(e - b for b, e in (h["data_offsets"] for h in header.values())) == total  # accounting's bytes
+    written = sum(e - b for b, e in (h["data_offsets"] for h in header.values()))
+    assert written == total
+    # `dsv41 accounting` prints exactly what the save wrote (it sums Param rows, not the model)
+    stored = compute(model.config)["checkpoint_bytes"]
+    assert stored["total"] == written and sum(stored["by_group"].values()) == written
+    assert stored["by_part"]["backbone"] + stored["by_part"]["engram"] == written
+
+
+def test_accounting_gives_the_release_checkpoint_size_to_the_byte():
+    """v41-flash in the release's format = the release's model.safetensors.index.json total_size:
+    510,286,023,000 bytes (text, Engram, DSpark and vision; scales included)."""
+    stored = compute(dsv41.load_config("v41-flash"))["checkpoint_bytes"]
+    assert stored["total"] == 510_286_023_000, f"{stored['total']:,}"
+    form = stored["by_form"]
+    assert form["mxfp4"] > 0.58 * stored["total"] and form["fp8_rows"] > 0.39 * stored["total"]
 
 
 def test_a_tensor_outside_the_table_is_refused(tmp_path):
