@@ -15,10 +15,10 @@ Questions (issue 23):
     python benchmarks/as_released.py                                  # H200: both questions
     python benchmarks/as_released.py --device cpu --preset tiny       # CPU check at tiny size
 
-Routed experts run from their dequantized MXFP4 weights in BF16 until the FP8 × FP4 expert path
-lands (docs/checkpoint.md), so the default keeps 96 of the 384 routed experts per layer
-(`--routed-experts 0` keeps all: 163 GB of BF16 experts for 6 layers, more than one H200). Engram
-tables are shrunk to buckets from 1M (`--engram-vocab-size`): 24M rows, 6.1 GB, instead of 98 GB.
+Routed experts stay MXFP4 on the GPU (7.2 GB a layer) and run the release's FP8 × FP4 product.
+The default 5 layers (1, 2, 3, 20, 24 of v41-flash) make 45 GB of shards — the one-GPU machine has
+a 64 GiB disk; `--max-layers 6` needs 54 GB. Engram tables are shrunk to buckets from 1M
+(`--engram-vocab-size`): 24M rows, 6.3 GB, instead of the release's 98 GB each.
 Writes benchmarks/results/as_released-<date>.json (device, sizes, the BF16 baseline of the same
 run, ratios).
 """
@@ -176,8 +176,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="v41-flash")
-    ap.add_argument("--max-layers", type=int, default=6)
-    ap.add_argument("--routed-experts", type=int, default=96, help="0 = the config's (384 for v41-flash)")
+    ap.add_argument("--max-layers", type=int, default=5)
+    ap.add_argument("--routed-experts", type=int, default=0, help="fewer routed experts (0 = the config's: 384)")
     ap.add_argument("--engram-vocab-size", type=int, default=1_000_000)
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="M of the linear benchmark")
     ap.add_argument("--iters", type=int, default=None)

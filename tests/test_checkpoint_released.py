@@ -20,8 +20,9 @@ from tests.quant.test_fp8_gemm import E4M3, emulate_act_quant, emulate_fp8_gemm
 import dsv41
 from dsv41.checkpoint import load_checkpoint, load_state_dict_file, read_state_dict, save_checkpoint
 from dsv41.checkpoint.files import TensorStore
-from dsv41.model.released import FP8Linear, FP8RowTable, as_released, is_released
+from dsv41.model.released import FP8Linear, FP8RowTable, MXFP4Experts, as_released, coded_tensors, is_released
 from dsv41.model.transformer import Transformer
+from dsv41.quant.fp4 import mxfp4_dequantize_weight
 from dsv41.quant.fp8 import fp8_block_dequantize_weight, fp8_block_quantize_weight
 from dsv41.quant.fp8_gemm import act_quant
 
@@ -65,6 +66,9 @@ def test_swap_replaces_exactly_the_fp8_linears_and_the_tables(tiny, released):
             and ".compressor." not in n and ".experts." not in n}
     assert fp8 == want, sorted(fp8 ^ want)
     assert tables == {"layers.1.engram.embed"}
+    experts = {n for n, m in released.named_modules() if isinstance(m, MXFP4Experts)}
+    assert experts == {f"layers.{i}.ffn.experts" for i in range(8)}
+    assert not any(".experts." in n for n, _ in released.named_parameters())  # no float expert weights left
     assert isinstance(released.layers[0].attn.wo_a, torch.nn.Linear)  # the reference runs it dequantized
     assert not is_released(tiny) and is_released(released)
     # wo_a's weight is the FP8 value, stored-BF16 tensors are BF16 values, FP32 ones untouched
@@ -151,10 +155,11 @@ def test_as_released_logits_track_the_float_model_and_run_in_the_engine(tiny, re
 def test_as_released_load_keeps_the_files_codes_and_equals_the_swap(fp8_dir, tiny):
     loaded = load_checkpoint(fp8_dir, weights="as-released")
     raw = load_state_dict_file(fp8_dir / "model.safetensors")
-    for name, m in loaded.named_modules():
-        if isinstance(m, (FP8Linear, FP8RowTable)):
-            assert torch.equal(m.weight.view(torch.uint8), raw[f"{name}.weight"].view(torch.uint8)), name
-            assert torch.equal(m.scale.view(torch.uint8), raw[f"{name}.scale"].view(torch.uint8)), name
+    coded = coded_tensors(loaded)
+    assert len(coded) == 60 + 1 + 8 * 8 * 3  # FP8 linears, the table, every expert matrix
+    for name, (_, codes, scale) in coded.items():
+        assert torch.equal(codes.view(torch.uint8), raw[name].view(torch.uint8)), name
+        assert torch.equal(scale.view(torch.uint8), raw[name.removesuffix("weight") + "scale"].view(torch.uint8)), name
     from_float = as_released(copy.deepcopy(tiny))  # the same bytes: the saver used the same rule
     converted = as_released(load_checkpoint(fp8_dir))  # float load (dequantized), then the swap
     for other, exact_bytes in ((from_float, True), (converted, False)):
@@ -168,17 +173,18 @@ def test_as_released_load_keeps_the_files_codes_and_equals_the_swap(fp8_dir, tin
 
 
 def _values(model: Transformer, exact_bytes: bool) -> dict[str, torch.Tensor]:
-    """State by value: FP8 modules as their bytes, or as their dequantized values (re-quantizing a
+    """State by value: coded tensors as their bytes, or as their dequantized values (re-quantizing a
     dequantized block can give twice the codes at half the scale: the same values)."""
+    from dsv41.checkpoint.save import _dequantize_codes
+
     out = dict(model.state_dict())
-    for name, m in model.named_modules():
-        if isinstance(m, (FP8Linear, FP8RowTable)):
-            codes, scale = out.pop(f"{name}.weight"), out.pop(f"{name}.scale")
-            if exact_bytes:
-                out[f"{name}.weight"], out[f"{name}.scale"] = codes.view(torch.uint8), scale.view(torch.uint8)
-            else:
-                out[f"{name}.weight"] = m.dequantized() if isinstance(m, FP8Linear) else m(torch.arange(
-                    m.num_embeddings))
+    for name, (form, codes, scale) in coded_tensors(model).items():
+        sname = name.removesuffix("weight") + "scale"
+        out.pop(sname)
+        if exact_bytes:
+            out[name], out[sname] = codes.view(torch.uint8), scale.view(torch.uint8)
+        else:
+            out[name] = _dequantize_codes((codes, scale, form))
     return out
 
 
@@ -190,8 +196,7 @@ def test_saving_an_as_released_model_writes_the_same_checkpoint(fp8_dir, release
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype for k in a)
     va, vb = read_state_dict(fp8_dir), read_state_dict(again)
     assert va.keys() == vb.keys() and all(torch.equal(va[k], vb[k]) for k in va)
-    coded = [f"{n}.{leaf}" for n, m in released.named_modules() if isinstance(m, (FP8Linear, FP8RowTable))
-             for leaf in ("weight", "scale")]
+    coded = [k for name in coded_tensors(released) for k in (name, name.removesuffix("weight") + "scale")]
     assert coded and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in coded)
 
 
@@ -224,3 +229,44 @@ def test_loading_streams_one_tensor_at_a_time(fp8_dir, monkeypatch):
 def test_weights_argument_is_checked(fp8_dir):
     with pytest.raises(ValueError, match="weights"):
         load_checkpoint(fp8_dir, weights="int4")  # type: ignore[arg-type]
+
+
+def test_routed_experts_equal_the_fp4_emulation_and_track_the_float_path(tiny, released):
+    """Each layer's MXFP4 experts on their real (expert-sorted) inputs: w1 / w3 / w2 products = the fp64
+    emulation of FP8 activations × E2M1 weights with per-row E8M0 scales; the expert output tracks the float one."""
+    from tests.quant.test_fp4_gemm import emulate_fp4_experts
+
+    calls: dict[str, tuple] = {}
+    hooks = [m.register_forward_pre_hook(lambda m, a, name=name: calls.setdefault(name, tuple(t.detach() for t in a)))
+             for name, m in released.named_modules() if isinstance(m, MXFP4Experts)]
+    with torch.no_grad():
+        released(_tokens())
+    for h in hooks:
+        h.remove()
+    modules, floats = dict(released.named_modules()), dict(tiny.named_modules())
+    errs = []
+    for name, (xs, ws, counts) in calls.items():
+        m = modules[name]
+        xq, sx = emulate_act_quant(xs.numpy())
+        got = m._product(act_quant(xs)[0], act_quant(xs)[1], "w1", counts, torch.float32).double().numpy()
+        want = emulate_fp4_experts(xq.astype(np.int64), sx, m.w1.view(torch.uint8).numpy(),
+                                   m.w1_scale.view(torch.uint8).numpy(), counts.numpy())
+        rel = np.abs(got - want).max() / np.abs(want).max()
+        assert rel < 2e-6, f"{name} w1: max error {rel:.2e} vs the emulation"
+        rounded = copy.deepcopy(floats[name])  # the float experts with the MXFP4 weights (weight-only)
+        for w in ("w1", "w2", "w3"):
+            codes, scale = getattr(m, w).view(torch.uint8), getattr(m, w + "_scale")
+            getattr(rounded, w).data = mxfp4_dequantize_weight(codes, scale)
+        with torch.no_grad():
+            out = m(xs, ws, counts)
+            vs_rounded = rounded(xs, ws, counts, grouped=False)
+            vs_float = floats[name](xs, ws, counts, grouped=False)
+        errs.append((((out - vs_rounded).norm() / vs_rounded.norm()).item(),
+                     ((out - vs_float).norm() / vs_float.norm()).item()))
+        assert 0.003 < errs[-1][0] < 0.08, f"{name}: {errs[-1][0]:.4f} from the same weights unquantized inputs"
+        assert errs[-1][1] < 0.35, f"{name}: {errs[-1][1]:.4f} from the float experts"
+    assert len(calls) == 8
+    e = np.array(errs)
+    print(f"\nrouted experts: the FP8 activations move the output {e[:, 0].mean() * 100:.2f} % (max "
+          f"{e[:, 0].max() * 100:.2f} %) from the MXFP4 weights' own; the float experts are "
+          f"{e[:, 1].mean() * 100:.1f} % away (E2M1 weights)")

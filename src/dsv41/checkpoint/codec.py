@@ -55,10 +55,10 @@ def encode(name: str, value: Tensor, storage: str, device: torch.device | str = 
             scale_name(name): scale.view(torch.float8_e8m0fnu).to(device)}
 
 
-def encode_codes(name: str, codes: Tensor, scale: Tensor) -> dict[str, Tensor]:
-    """Already-quantized FP8 codes and E8M0 scales (an as-released module), stored as they are."""
-    return {name: codes.view(torch.float8_e4m3fn).cpu().contiguous(),
-            scale_name(name): scale.view(torch.float8_e8m0fnu).cpu().contiguous()}
+def encode_codes(name: str, codes: Tensor, scale: Tensor, storage: str) -> dict[str, Tensor]:
+    """Already-quantized codes and E8M0 scales (an as-released module), stored as they are."""
+    values = codes.view(torch.int8 if storage == MXFP4 else torch.float8_e4m3fn)
+    return {name: values.cpu().contiguous(), scale_name(name): scale.view(torch.float8_e8m0fnu).cpu().contiguous()}
 
 
 # ---------------------------------------------------------------------- read: what a header holds
@@ -131,12 +131,13 @@ def decode(store: TensorStore, name: str, kind: str | None, device: torch.device
 
 def release_codes(store: TensorStore, name: str, kind: str | None, storage: str,
                   device: torch.device) -> tuple[Tensor, Tensor]:
-    """(E4M3 codes, E8M0 scales) of an FP8 weight or table in the release's `storage` form, on
-    `device`: the file's bytes when it holds that form, else its value re-encoded by the release rule."""
+    """(codes, E8M0 scales) of a weight or table in the release's `storage` form on `device` — E4M3
+    codes for FP8, packed E2M1 pairs as int8 for MXFP4: the file's bytes when it holds that form,
+    else its value re-encoded by the release rule."""
     scale_dtype = store.entries[scale_name(name)][1] if scale_name(name) in store.entries else None
     if kind == storage and scale_dtype in _SCALE_BYTE_DTYPES:
         codes = _bytes(store.get(name)).to(device, copy=True)
         scale = _bytes(store.get(scale_name(name))).to(device, copy=True)
-        return codes.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu)
+        return codes.view(torch.int8 if storage == MXFP4 else torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu)
     stored = encode(name, decode(store, name, kind, device), storage, device)
     return stored[name], stored[scale_name(name)]

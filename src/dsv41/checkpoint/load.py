@@ -32,9 +32,9 @@ from torch.overrides import TorchFunctionMode
 
 from dsv41.checkpoint.codec import FLOAT_DTYPES, decode, logical_names, release_codes
 from dsv41.checkpoint.files import CONFIG_NAME, CheckpointError, TensorStore
-from dsv41.checkpoint.release_format import QUANTIZED, ReleaseFormatError, scale_name, storage_of, stored_layout
+from dsv41.checkpoint.release_format import MXFP4, QUANTIZED, ReleaseFormatError, scale_name, storage_of, stored_layout
 from dsv41.config import ConfigError, ModelConfig, load_config
-from dsv41.model.released import FP8Linear, FP8RowTable, as_released, round_as_stored, swap_released_modules
+from dsv41.model.released import as_released, coded_tensors, round_as_stored, swap_released_modules
 from dsv41.model.transformer import Transformer
 
 logger = logging.getLogger("dsv41.checkpoint")
@@ -160,8 +160,7 @@ def load_checkpoint(directory: str | Path, *, device: str | torch.device = "cpu"
             model = Transformer(config).init_weights()
         _cast_parameters(model, dtype)
         expected = model.state_dict()
-        coded = {f"{n}.weight": storage_of(f"{n}.weight") for n, m in model.named_modules()
-                 if isinstance(m, (FP8Linear, FP8RowTable))}
+        coded = {n: form for n, (form, _, _) in coded_tensors(model).items()}  # kept in the release's form
         wanted = [n for n in expected if n not in {scale_name(c) for c in coded}]  # logical names
         logical = logical_names(store)
 
@@ -185,11 +184,15 @@ def load_checkpoint(directory: str | Path, *, device: str | torch.device = "cpu"
             shape, kind, problem = logical[name]
             if problem:
                 raise CheckpointError(f"{store.entries[name][0]}: {problem}")
-            if tuple(shape) != tuple(expected[name].shape):
+            want = tuple(expected[name].shape)
+            if coded.get(name) == MXFP4:  # packed pairs: the logical matrix is twice as wide
+                want = (want[0], want[1] * 2)
+            if tuple(shape) != want:
                 raise CheckpointError(f"{store.entries[name][0]}: tensor {name} has shape {list(shape)}, the model "
-                                      f"expects {list(expected[name].shape)}")
+                                      f"expects {list(want)}")
             stored = store.entries[name][1]
-            if expected[name].is_floating_point() and kind is None and stored not in FLOAT_DTYPES:
+            if name not in coded and expected[name].is_floating_point() and kind is None \
+                    and stored not in FLOAT_DTYPES:
                 raise CheckpointError(f"{store.entries[name][0]}: tensor {name} has dtype {stored}, expected a float")
         # stream: one top-level block at a time, each tensor decoded straight onto `device`
         for _, group in itertools.groupby(names, key=_block_of):

@@ -38,9 +38,10 @@ from dsv41.checkpoint.files import (
     save_state_dict_file,
     shard_names,
 )
-from dsv41.checkpoint.release_format import FP8_ROWS, FP8_TILES, QUANTIZED, scale_name, storage_of, stored_bytes
-from dsv41.model.released import FP8Linear, FP8RowTable
+from dsv41.checkpoint.release_format import FP8_ROWS, MXFP4, QUANTIZED, scale_name, storage_of, stored_bytes
+from dsv41.model.released import coded_tensors
 from dsv41.model.transformer import Transformer
+from dsv41.quant.fp4 import mxfp4_dequantize_weight
 from dsv41.quant.fp8 import fp8_block_dequantize_weight, fp8_row_dequantize
 
 CheckpointFormat = Literal["float", "official-fp8", "compact"]
@@ -63,17 +64,18 @@ Codes = tuple[Tensor, Tensor, str]
 
 def logical_state(model: nn.Module) -> dict[str, Tensor | Codes]:
     """The model's tensors by official name: float tensors, or the codes of `as_released` modules
-    (their `X.weight` + `X.scale` buffers become one logical `X.weight`)."""
+    (each `X.weight` + `X.scale` pair becomes one logical `X.weight`)."""
     state: dict[str, Any] = dict(model.state_dict())
-    for name, module in model.named_modules():
-        if isinstance(module, (FP8Linear, FP8RowTable)):
-            form = FP8_ROWS if isinstance(module, FP8RowTable) else FP8_TILES
-            state[f"{name}.weight"] = (state[f"{name}.weight"], state.pop(f"{name}.scale"), form)
+    for name, (form, codes, scale) in coded_tensors(model).items():
+        state.pop(scale_name(name))
+        state[name] = (codes, scale, form)
     return state
 
 
 def _dequantize_codes(value: Codes) -> Tensor:
     codes, scale, form = value
+    if form == MXFP4:
+        return mxfp4_dequantize_weight(codes.view(torch.uint8), scale)
     return fp8_row_dequantize(codes, scale) if form == FP8_ROWS else fp8_block_dequantize_weight(codes, scale)
 
 
@@ -114,7 +116,7 @@ def _stored(name: str, value: Tensor | Codes, form: str, store: torch.dtype | No
     """The CPU tensors of one planned entry."""
     if isinstance(value, tuple):
         if form == value[2]:  # codes already in the form the file wants
-            return encode_codes(name, value[0], value[1])
+            return encode_codes(name, value[0], value[1], form)
         value = _dequantize_codes(value)
     if form == "float":
         return {name: value.detach().to(device="cpu", dtype=store)}

@@ -19,9 +19,12 @@ and computes the way `inference/model.py` computes with it (SPEC §1a "weights")
   scales into the FP8 product — which is the reference's computation;
 * tensors stored BF16 (embedding, head, router, compressor, index-key projection, norms, Engram
   q/k weights) are rounded to BF16 values; FP32 ones (mHC, sinks, gate biases) stay.
-* Routed experts: their weights are rounded through MXFP4 (what the release stores), but their
-  activations are not quantized yet — the release's FP8 × FP4 expert product waits for the
-  stacked expert layout (docs/checkpoint.md).
+* the routed experts (`model.moe.GroupedExperts`) become `MXFP4Experts`: packed E2M1 weights with
+  an E8M0 scale per 32 along K, stacked per projection; the expert-sorted rows are quantized as
+  above and multiplied with every expert's E2M1 weights cast to E4M3 in the GEMM's prologue
+  (`quant.fp4_gemm`: one Triton launch for all experts on CUDA, no host sync; the torch twin
+  elsewhere), SwiGLU in fp32 between, the hidden re-quantized before `w2` — the release's
+  `fp4_gemm` path.
 
 `load_checkpoint(..., weights="as-released")` builds the same modules on the meta device
 (`swap_released_modules`) and fills them with the file's FP8 codes and scales, never a float copy.
@@ -35,7 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from dsv41.checkpoint.release_format import BF16, BLOCK, FP8_ROWS, FP8_TILES, MXFP4, storage_of
+from dsv41.model.moe import GroupedExperts, _swiglu
 from dsv41.quant.fp4 import mxfp4_dequantize_weight, mxfp4_quantize_weight
+from dsv41.quant.fp4_gemm import fp4_experts_twin
 from dsv41.quant.fp8 import (
     fp8_block_dequantize_weight,
     fp8_block_quantize_weight,
@@ -74,14 +79,15 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor) -> Tensor:
 
 
 class _StoredBuffers(nn.Module):
-    """Holds `weight` / `scale` in the release's dtypes (float8_e4m3fn, float8_e8m0fnu). `model.to(dtype)`
+    """Holds its buffers in the release's dtypes (float8_e4m3fn, float8_e8m0fnu, int8). `model.to(dtype)`
     casts every floating tensor, float8 included: here only devices move, never the formats."""
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         # an integer probe shows where `fn` sends tensors without casting it
-        device = fn(torch.empty(0, dtype=torch.uint8, device=self.weight.device)).device
-        for name in ("weight", "scale"):
-            self._buffers[name] = self._buffers[name].to(device)
+        first = next(iter(self._buffers.values()))
+        device = fn(torch.empty(0, dtype=torch.uint8, device=first.device)).device
+        for name, buf in self._buffers.items():
+            self._buffers[name] = buf.to(device)
         return self
 
 
@@ -144,6 +150,90 @@ class FP8RowTable(_StoredBuffers):
         return f"{self.num_embeddings}, {self.embedding_dim}, fp8 rows, scale per 32"
 
 
+_PROJECTIONS = ("w1", "w2", "w3")
+
+
+def _split_codes(module: MXFP4Experts, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict post-hook: stacked `w1` / `w1_scale` (E, ...) → the release's `0.w1.weight`, `0.w1.scale`, ..."""
+    stacked = {w: (state_dict.pop(prefix + w), state_dict.pop(prefix + w + "_scale")) for w in _PROJECTIONS}
+    for i in range(module.n_experts):
+        for w in _PROJECTIONS:
+            state_dict[f"{prefix}{i}.{w}.weight"] = stacked[w][0][i]
+            state_dict[f"{prefix}{i}.{w}.scale"] = stacked[w][1][i]
+
+
+def _stack_codes(module: MXFP4Experts, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                 missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    """load_state_dict pre-hook: the per-expert `X.weight` / `X.scale` → one stacked buffer each (all E
+    present: stacked; otherwise every absent one is reported missing by its official name)."""
+    for w in _PROJECTIONS:
+        for leaf, buf in (("weight", w), ("scale", w + "_scale")):
+            names = [f"{prefix}{i}.{w}.{leaf}" for i in range(module.n_experts)]
+            if all(n in state_dict for n in names):
+                state_dict[prefix + buf] = torch.stack([state_dict.pop(n) for n in names])
+            else:
+                missing_keys.extend(n for n in names if n not in state_dict)
+                for n in names:
+                    state_dict.pop(n, None)
+                module._reported_missing.add(prefix + buf)
+
+
+def _drop_stacked(module: MXFP4Experts, incompatible_keys) -> None:
+    for name in module._reported_missing:
+        while name in incompatible_keys.missing_keys:
+            incompatible_keys.missing_keys.remove(name)
+    module._reported_missing.clear()
+
+
+class MXFP4Experts(_StoredBuffers):
+    """The routed experts as the release stores them: `w1`, `w3` (E, inter, dim/2) and `w2` (E, dim,
+    inter/2) packed E2M1 pairs (int8, element 2i in the low nibble), `w*_scale` (E, out, in/32) E8M0.
+    Same forward contract as `GroupedExperts`; the state dict holds the release's per-expert names."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, swiglu_limit: float = 0.0,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.n_experts, self.dim, self.inter_dim, self.swiglu_limit = n_experts, dim, inter_dim, swiglu_limit
+        for w, (out_dim, in_dim) in zip(_PROJECTIONS, ((inter_dim, dim), (dim, inter_dim), (inter_dim, dim))):
+            self.register_buffer(w, torch.empty(n_experts, out_dim, in_dim // 2, dtype=torch.int8, device=device))
+            self.register_buffer(w + "_scale", torch.empty(n_experts, out_dim, in_dim // BLOCK,
+                                                           dtype=torch.float8_e8m0fnu, device=device))
+        self._reported_missing: set[str] = set()
+        self.register_state_dict_post_hook(_split_codes)
+        self.register_load_state_dict_pre_hook(_stack_codes)
+        self.register_load_state_dict_post_hook(_drop_stacked)
+
+    @classmethod
+    def from_grouped(cls, experts: GroupedExperts) -> MXFP4Experts:
+        """Quantize stacked float experts by the release's rule (`mxfp4_quantize_weight`)."""
+        module = cls(experts.n_experts, experts.dim, experts.inter_dim, experts.swiglu_limit,
+                     device=experts.w1.device)
+        for w in _PROJECTIONS:
+            packed, scale = mxfp4_quantize_weight(getattr(experts, w).detach())
+            setattr(module, w, packed.view(torch.int8))
+            setattr(module, w + "_scale", scale.view(torch.float8_e8m0fnu))
+        return module
+
+    def _product(self, xq: Tensor, xs: Tensor, w: str, counts: Tensor, out_dtype: torch.dtype) -> Tensor:
+        packed, scale = getattr(self, w), getattr(self, w + "_scale")
+        if _use_triton(xq, packed):
+            from dsv41.quant.fp4_gemm_triton import fp4_experts_triton
+
+            return fp4_experts_triton(xq, xs, packed, scale, counts, out_dtype)
+        return fp4_experts_twin(xq, xs, packed, scale, counts, out_dtype)
+
+    def forward(self, xs: Tensor, ws: Tensor, counts: Tensor, grouped: bool = True) -> Tensor:
+        """xs (M, dim) rows sorted by expert, ws (M, 1) fp32 routing weights, counts (E,) → (M, dim)."""
+        xq, sx = act_quant(xs)  # one quantization feeds w1 and w3, as the reference's expert(x)
+        h = _swiglu(self._product(xq, sx, "w1", counts, xs.dtype), self._product(xq, sx, "w3", counts, xs.dtype),
+                    self.swiglu_limit, ws)
+        hq, sh = act_quant(h.to(xs.dtype))  # the reference: self.w2(x.to(dtype))
+        return self._product(hq, sh, "w2", counts, xs.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.n_experts} experts, dim {self.dim}, inter {self.inter_dim}, mxfp4"
+
+
 # ---------------------------------------------------------------------- the swap
 def _runs_fp8(name: str) -> bool:
     """Does the reference run this module as an FP8 GEMM (rather than a dequantized weight)?"""
@@ -151,12 +241,15 @@ def _runs_fp8(name: str) -> bool:
 
 
 def _released_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every nn.Linear / nn.Embedding the release stores and runs in FP8."""
+    """(name, module) of every nn.Linear / nn.Embedding the release stores and runs in FP8, and of
+    every stack of routed experts (MXFP4)."""
     out = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and storage_of(f"{name}.weight") == FP8_TILES and _runs_fp8(name):
             out.append((name, module))
         elif isinstance(module, nn.Embedding) and storage_of(f"{name}.weight") == FP8_ROWS:
+            out.append((name, module))
+        elif isinstance(module, GroupedExperts) and storage_of(f"{name}.0.w1.weight") == MXFP4:
             out.append((name, module))
     return out
 
@@ -170,7 +263,10 @@ def swap_released_modules(model: nn.Module, quantize: bool = True) -> nn.Module:
     """Replace the FP8 linears and tables by `FP8Linear` / `FP8RowTable`, quantizing their float
     weights (`quantize=True`) or leaving them empty on the meta device (a skeleton the loader fills)."""
     for name, module in _released_targets(model):
-        if isinstance(module, nn.Linear):
+        if isinstance(module, GroupedExperts):
+            new = MXFP4Experts.from_grouped(module) if quantize else MXFP4Experts(
+                module.n_experts, module.dim, module.inter_dim, module.swiglu_limit, device="meta")
+        elif isinstance(module, nn.Linear):
             new = FP8Linear.from_float(module) if quantize else FP8Linear(module.in_features, module.out_features,
                                                                          device="meta")
         else:
@@ -205,4 +301,18 @@ def as_released(model: nn.Module) -> nn.Module:
 
 
 def is_released(model: nn.Module) -> bool:
-    return any(isinstance(m, (FP8Linear, FP8RowTable)) for m in model.modules())
+    return any(isinstance(m, (FP8Linear, FP8RowTable, MXFP4Experts)) for m in model.modules())
+
+
+def coded_tensors(model: nn.Module) -> dict[str, tuple[str, Tensor, Tensor]]:
+    """Official name → (storage form, codes, scales) of every tensor an as-released module holds in
+    the release's form (FP8 linears, FP8 rows, MXFP4 experts, one entry per expert matrix)."""
+    out: dict[str, tuple[str, Tensor, Tensor]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (FP8Linear, FP8RowTable)):
+            out[f"{name}.weight"] = (FP8_ROWS if isinstance(m, FP8RowTable) else FP8_TILES, m.weight, m.scale)
+        elif isinstance(m, MXFP4Experts):
+            for i in range(m.n_experts):
+                for w in _PROJECTIONS:
+                    out[f"{name}.{i}.{w}.weight"] = (MXFP4, getattr(m, w)[i], getattr(m, w + "_scale")[i])
+    return out
