@@ -16,7 +16,7 @@ Questions (issue 23):
     python benchmarks/as_released.py --device cpu --preset tiny       # CPU check at tiny size
 
 Routed experts stay MXFP4 on the GPU (7.2 GB a layer) and run the release's FP8 × FP4 product.
-The default 5 layers (1, 2, 3, 20, 24 of v41-flash) make 45 GB of shards — the one-GPU machine has
+The default 5 layers (1, 2, 3, 20, 24 of v41-flash) make 46 GB of shards — the one-GPU machine has
 a 64 GiB disk; `--max-layers 6` needs 54 GB. Engram tables are shrunk to buckets from 1M
 (`--engram-vocab-size`): 24M rows, 6.3 GB, instead of the release's 98 GB each.
 Writes benchmarks/results/as_released-<date>.json (device, sizes, the BF16 baseline of the same
