@@ -19,8 +19,8 @@ Routed experts stay MXFP4 on the GPU (7.2 GB a layer) and run the release's FP8 
 The default 5 layers (1, 2, 3, 20, 24 of v41-flash) make 46 GB of shards — the one-GPU machine has
 a 64 GiB disk; `--max-layers 6` needs 54 GB. Engram tables are shrunk to buckets from 1M
 (`--engram-vocab-size`): 24M rows, 6.3 GB, instead of the release's 98 GB each.
-Writes benchmarks/results/as_released-<date>.json (device, sizes, the BF16 baseline of the same
-run, ratios).
+Writes benchmarks/results/as_released-<date>[-linears|-model].json (device, sizes, the BF16
+baseline of the same run, ratios).
 """
 
 from __future__ import annotations
@@ -210,7 +210,8 @@ def main() -> None:
     if not args.skip_model:
         result["model"] = model_run(config, args)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"as_released-{result['date']}{'' if cuda else '-cpu'}.json"
+    part = "-linears" if args.skip_model else "-model" if args.skip_linears else ""
+    path = args.out / f"as_released-{result['date']}{part}{'' if cuda else '-cpu'}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
 

@@ -270,3 +270,24 @@ def test_routed_experts_equal_the_fp4_emulation_and_track_the_float_path(tiny, r
     print(f"\nrouted experts: the FP8 activations move the output {e[:, 0].mean() * 100:.2f} % (max "
           f"{e[:, 0].max() * 100:.2f} %) from the MXFP4 weights' own; the float experts are "
           f"{e[:, 1].mean() * 100:.1f} % away (E2M1 weights)")
+
+
+@pytest.mark.gpu
+def test_cuda_as_released_model_equals_its_twins_and_generates(released):
+    """On the H200: the as-released tiny model with the Triton FP8 / FP8×MXFP4 kernels = the same model
+    on the torch twins; bf16 + the engine (CUDA graphs) generates."""
+    from dsv41.engine.engine import Engine
+    from dsv41.kernels import ops
+
+    model = copy.deepcopy(released).cuda()
+    tokens = _tokens().cuda()
+    with torch.no_grad():
+        fast = model(tokens)
+        with ops.use_backend("torch"):
+            twin = model(tokens)
+    rel = ((fast - twin).norm() / twin.norm()).item()
+    print(f"\nas-released tiny on CUDA: kernels vs twins relative difference {rel:.2e}")
+    assert rel < 1e-3, f"relative difference {rel:.2e}"
+    bf16 = model.to(torch.bfloat16)
+    out = Engine(bf16).generate([[5, 6, 7, 8, 9, 10] * 20, [11, 12, 13]], max_tokens=8)
+    assert [len(o) for o in out] == [8, 8]

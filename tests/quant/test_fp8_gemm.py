@@ -155,7 +155,7 @@ def test_triton_kernel_equals_the_emulation_in_the_interpreter():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", [(1, 5120, 1280), (64, 1280, 32768), (4096, 5120, 512), (777, 8192, 5120)])
+@pytest.mark.parametrize("m,k,n", [(1, 5120, 1280), (64, 1280, 32768), (2048, 5120, 512), (33, 8192, 5120)])
 def test_cuda_fp8_gemm_equals_the_emulation(m, k, n):
     """The Hopper kernel at v41 widths (decode row, wq_b, wkv, wo_b shapes) = the fp64 emulation."""
     from dsv41.quant.fp8_gemm_triton import fp8_gemm_triton

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv41.quant.fp8 import e8m0_to_float
 from dsv41.quant.fp8_gemm import ACT_BLOCK
 
 
@@ -57,7 +56,10 @@ def _fp4_experts_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tile_e_ptr, tile_r0
         hi = _e2m1_values(packed >> 4)  # element 2i + 1
         b = tl.reshape(tl.trans(tl.join(lo, hi), 0, 2, 1), (BLOCK_K, BLOCK_N))  # (32, BN), K interleaved
         sa = tl.load(sa_ptr + rm * N_KB + kb, mask=m_ok, other=0.0)
-        sb = tl.load(s_base + kb, mask=n_ok, other=0.0)
+        # E8M0 byte b -> 2^(b - 127): the byte is the fp32 exponent field (bytes 1..254; the quantizers
+        # never write 0 or 255), decoded here rather than as an (E, N, K/32) fp32 copy per call
+        s_byte = tl.load(s_base + kb, mask=n_ok, other=0).to(tl.int32)
+        sb = (s_byte << 23).to(tl.float32, bitcast=True)
         acc += tl.dot(a, b.to(tl.float8e4nv)) * (sa[:, None] * sb[None, :])
     c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -89,7 +91,7 @@ def fp4_experts_triton(xq: Tensor, xs: Tensor, packed: Tensor, scales: Tensor, c
                          f"scales {tuple(scales.shape)} do not fit")
     a = xq.view(torch.float8_e4m3fn).contiguous()
     b = packed.view(torch.uint8).contiguous()
-    sb = e8m0_to_float(scales).contiguous()  # (E, N, K/32) fp32
+    sb = scales.view(torch.uint8).contiguous()  # (E, N, K/32) E8M0 bytes, decoded in the kernel
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     tile_e, tile_r0, tile_r1 = expert_tiles(counts, block_m, m)
     grid = (tile_e.numel(), triton.cdiv(n, block_n))

@@ -221,7 +221,8 @@ def fp8_row_quantize(w: Tensor, block: int = WEIGHT_BLOCK) -> tuple[Tensor, Tens
     blocks = padded.view(rows, cols, block)  # (R, C, b)
     scale_bytes = e8m0_scale(blocks.abs().amax(dim=-1), E4M3_MAX)  # (R, C)
     values = (blocks / e8m0_to_float(scale_bytes)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return values.view(rows, cols * block)[:, :dim].contiguous().view(torch.uint8), scale_bytes
+    values = values.view(rows, cols * block)[:, :dim]  # (R, dim): the padding cropped
+    return values.contiguous().view(torch.uint8), scale_bytes
 
 
 def fp8_row_dequantize(values: Tensor, scales: Tensor, block: int = WEIGHT_BLOCK,
