@@ -79,7 +79,7 @@ def run_case(case: dict, ceil: dict) -> dict:
 def engine_decode(contexts: list[int], batch: int, device: torch.device) -> list[dict]:
     """Decode step time of `small` at each context, kernels vs twins (same caches, same tokens)."""
     from dsv41 import load_config
-    from dsv41.engine.cache import CachePools, SequenceCache
+    from dsv41.engine.cache import SequenceCache, private_pools
     from dsv41.engine.prefill import prefill
     from dsv41.engine.runner import Runner
     from dsv41.kernels.ops import use_backend
@@ -93,7 +93,7 @@ def engine_decode(contexts: list[int], batch: int, device: torch.device) -> list
     rows = []
     for n in contexts:
         for b in sorted({1, batch}):
-            pools = CachePools(config, device)
+            pools = private_pools(config, device, max_tokens=n + 8192, max_slots=b)  # room for the timed steps
             seqs = [SequenceCache(config, device, pools) for _ in range(b)]
             ids = torch.randint(3, config.vocab_size, (n,), generator=gen).tolist()
             with use_backend("auto"):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import sys
 import time
 import traceback
@@ -67,7 +66,8 @@ def ceilings(device: str) -> dict:
     if not device.startswith("cuda"):
         return {}
     n = 8192
-    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
     s = timed(lambda: a @ b, device, 10)
@@ -93,7 +93,6 @@ def count_params(module) -> int:
 
 # ---------------------------------------------------------------------------------------------- dsv41
 def dsv41_decode(model, B: int, context: int, steps: int, device: str, graphs: bool) -> dict:
-    c = model.config
     engine = Engine(model, max_batch=max(B, 1), max_seq_len=context + steps + 8,
                     max_tokens=B * (context + steps + 8), cuda_graphs=graphs)
     synthetic_running(engine, B, context, seed=0)
@@ -119,7 +118,6 @@ def dsv41_profile(model, B: int, context: int, device: str) -> dict:
     """Kernels per eager decode step and the GPU-busy fraction (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    c = model.config
     engine = Engine(model, max_batch=B, max_seq_len=context + 16, max_tokens=B * (context + 16), cuda_graphs=False)
     synthetic_running(engine, B, context, seed=1)
     for _ in range(2):
@@ -135,7 +133,39 @@ def dsv41_profile(model, B: int, context: int, device: str) -> dict:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in kernels) / 1e6  # µs → s
     return {"batch": B, "context": context, "kernels_per_step": len(kernels) / n, "gpu_busy_fraction": busy / wall,
-            "eager_step_ms": wall / n * 1e3}
+            "eager_step_ms": wall / n * 1e3, "gpu_ms_per_step": busy / n * 1e3, "top_kernels": top_kernels(kernels, n)}
+
+
+def top_kernels(kernels, n: int, k: int = 15) -> list[dict]:
+    """The k kernels with the most GPU time per step: name, launches and µs per step."""
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], []).append(e.device_time)
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:k]
+    return [{"kernel": name, "launches": len(t) / n, "us": sum(t) / n} for name, t in rows]
+
+
+def dsv41_prefill_profile(model, n: int, device: str, chunk: int) -> dict:
+    """Where encoder-only prefill time goes (torch.profiler, one prompt of n tokens)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    c = model.config
+    runner = Runner(model)
+    ids = torch.randint(3, c.vocab_size, (n,)).tolist()
+
+    def run() -> None:
+        prefill(runner, SequenceCache(c, pools=private_pools(c, device, max_tokens=n + 8)), ids, chunk=chunk)
+
+    run()
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        sync(device)
+    wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"tokens": n, "chunk": chunk, "wall_ms": wall * 1e3, "kernels": len(kernels),
+            "gpu_ms": sum(e.device_time for e in kernels) / 1e3, "top_kernels": top_kernels(kernels, 1)}
 
 
 def dsv41_prefill(model, n: int, device: str, chunk: int) -> dict:
@@ -216,7 +246,7 @@ def peer_graph(hf, B: int, context: int, steps: int, device: str) -> dict:
 
     def one():
         graph.replay()
-        step.tokens.copy_(logits.argmax(-1, keepdim=True))  # greedy, stays on the device
+        step.tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))  # greedy, stays on the device
         step.tokens[0, 0].item()  # the token read back, as a server must
 
     for _ in range(3):
@@ -315,12 +345,23 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_peer:
         from transformers import LlamaForCausalLM
 
-        hf = LlamaForCausalLM(peer_config(config, max(args.contexts) * 2)).to(device=device, dtype=torch.bfloat16).eval()
+        hf = LlamaForCausalLM(peer_config(config, max(args.contexts) * 2))
+        hf = hf.to(device=device, dtype=torch.bfloat16).eval()
         pc = hf.config
         report["peer"] = {"params": count_params(hf), "layers": pc.num_hidden_layers, "hidden": pc.hidden_size,
                           "kv_heads": pc.num_key_value_heads, "head_dim": pc.head_dim,
                           "kv_bytes_per_token": 2 * pc.num_hidden_layers * pc.num_key_value_heads * pc.head_dim * 2}
     print(json.dumps({k: report[k] for k in ("device", "ceilings", "dsv41_active_params")}, default=str))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"peer_decode-{report['date']}.json"
+    k = 2
+    while path.exists():
+        path = out / f"peer_decode-{report['date']}-{k}.json"
+        k += 1
+
+    def save() -> None:  # after every cell: a run cut short keeps what it measured
+        path.write_text(json.dumps(report, indent=1, default=str))
 
     def attempt(what: str, fn):
         try:
@@ -350,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 if ours and theirs:
                     cell[f"ratio_vs_{k}"] = ours / theirs
             report["cells"].append(cell)
+            save()
             print(json.dumps(cell, default=lambda v: round(v, 4) if isinstance(v, float) else v))
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -361,22 +403,24 @@ def main(argv: list[str] | None = None) -> int:
             if row["dsv41"] and row["peer"]:
                 row["encoder_only_vs_peer_throughput"] = row["dsv41"]["encoder_only_tok_s"] / row["peer"]["tok_s"]
         report["prefill"].append(row)
+        save()
         print(json.dumps(row, default=str))
+    if device.startswith("cuda") and args.prefill:
+        prof = attempt("prefill profile", lambda: dsv41_prefill_profile(model, max(args.prefill), device,
+                                                                       args.prefill_chunk))
+        if prof:
+            report["prefill_profile"] = prof
+            save()
+            print(json.dumps(prof, default=lambda v: round(v, 2) if isinstance(v, float) else v))
     for cell in args.profile:
         B, T = (int(v) for v in cell.split("x"))
         if device.startswith("cuda"):
             prof = attempt(f"profile {cell}", lambda: dsv41_profile(model, B, T, device))
             if prof:
                 report["profile"].append(prof)
-                print(json.dumps(prof))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"peer_decode-{report['date']}.json"
-    k = 2
-    while path.exists():
-        path = out / f"peer_decode-{report['date']}-{k}.json"
-        k += 1
-    path.write_text(json.dumps(report, indent=1, default=str))
+                save()
+                print(json.dumps(prof, default=lambda v: round(v, 2) if isinstance(v, float) else v))
+    save()
     print(f"wrote {path}")
     print_table(report)
     return 0

@@ -57,10 +57,14 @@ def engine_test_model(seed: int, **changes):
     return model
 
 
+# intra-op threads per test process; scripts/mutants.py runs its parallel workers with 1 each
+TEST_THREADS = int(os.environ.get("DSV41_TEST_THREADS", "2"))
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     # a fixed, small thread count keeps CPU timings and results stable on the 2-core CI box
-    torch.set_num_threads(2)
+    torch.set_num_threads(TEST_THREADS)
     yield
 
 

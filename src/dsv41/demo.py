@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.fresh and store_dir.exists():
         shutil.rmtree(store_dir)
     pool = InProcessSWAPool()
-    cache = PrefixCache(model.config, PersistentStore(store_dir), pool)
+    cache = PrefixCache.for_model(model, tok, PersistentStore(store_dir), pool)  # keyed by these weights
     engine = Engine(model, prefix_cache=cache)
     params = SamplingParams(max_tokens=args.max_tokens, stop_token_ids=[tok.eos_id])
     load_s = time.perf_counter() - t_start

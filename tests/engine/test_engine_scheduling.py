@@ -18,7 +18,10 @@ from tests.conftest import engine_test_model
 from dsv41 import load_config
 from dsv41.accounting import compute
 from dsv41.engine.block_manager import BlockManager, pages_for
+from dsv41.engine.cache import SequenceCache
 from dsv41.engine.engine import Engine
+from dsv41.engine.prefill import PrefillJob
+from dsv41.engine.runner import Runner
 from dsv41.engine.sampling import SamplingParams
 
 
@@ -57,7 +60,7 @@ def run_all(engine: Engine, prompts: list[list[int]], outputs: list[int], params
             seqs.append(engine.add_request(prompts[i], p))
         engine.step()
         steps += 1
-        assert steps < 5000, "the engine stopped making progress"
+        assert steps < 1000, "the engine stopped making progress"
     return seqs
 
 
@@ -94,12 +97,12 @@ def test_cached_decode_equals_the_full_forward_across_pages_with_sequences_joini
 
 
 def test_chunked_prefill_mixed_with_decodes_equals_each_request_alone(monkeypatch):
-    """Encoder-only prefill cut into pieces of any size and interleaved with other requests'
-    decode steps = the request alone with one-shot prefill (logits and greedy tokens)."""
+    """Encoder-only prefill cut into pieces and interleaved with other requests' decode steps = the
+    request alone with one-shot prefill (logits and greedy tokens)."""
     torch.manual_seed(41)
     model = engine_test_model(41)
     V = model.config.vocab_size
-    lengths, outputs = [70, 7, 45, 100], [4, 7, 5, 3]
+    lengths, outputs = [70, 7, 45, 90], [4, 6, 5, 3]
     prompts = [torch.randint(3, V, (n,)).tolist() for n in lengths]
     seen = spy_logits(monkeypatch)
     alone = []
@@ -110,19 +113,41 @@ def test_chunked_prefill_mixed_with_decodes_equals_each_request_alone(monkeypatc
         while not seq.finished:
             engine.step()
         alone.append((seq.output, list(seen[seq.id])))
+    seen.clear()
+    engine = Engine(model, max_batch=3, prefill_chunk=5, token_budget=9, page_rows=8, max_seq_len=128, max_tokens=400)
+    seqs = run_all(engine, prompts, outputs, arrive_every=2)
+    assert engine.stats.prefill_pieces > len(prompts) * 3  # cut into pieces
     errs = []
-    for chunk, budget in ((5, 9), (16, 19)):
-        seen.clear()
-        engine = Engine(model, max_batch=3, prefill_chunk=chunk, token_budget=budget, page_rows=8,
-                        max_seq_len=128, max_tokens=400)
-        seqs = run_all(engine, prompts, outputs, arrive_every=2)
-        assert engine.stats.prefill_pieces > len(prompts) * 3  # cut into pieces
-        for seq, (out, rows) in zip(seqs, alone):
-            errs += [rel_err(a, b) for a, b in zip(seen[seq.id], rows)]
-            assert seq.output == out, f"chunk {chunk}: request {seq.id} tokens differ"
+    for seq, (out, rows) in zip(seqs, alone):
+        errs += [rel_err(a, b) for a, b in zip(seen[seq.id], rows)]
+        assert seq.output == out, f"request {seq.id} tokens differ"
     errs = torch.tensor(errs)
     print(f"rel err vs alone with one-shot prefill: median {errs.median():.2e}, max {errs.max():.2e}")
     assert errs.max() <= FLIP_RTOL and errs.median() <= 1e-5
+
+
+@pytest.mark.parametrize("pieces", [[3] * 30, [1, 2, 13, 50, 4], [7, 7, 56]])
+def test_prefill_in_pieces_of_any_size_equals_one_shot(pieces):
+    """The same prompt through `PrefillJob` in pieces of arbitrary sizes (odd ones cut compression
+    groups and the window) gives one-shot prefill's logits and cache bytes."""
+    torch.manual_seed(45)
+    model = engine_test_model(45)
+    prompt = torch.randint(3, model.config.vocab_size, (sum(pieces),)).tolist()
+    runner = Runner(model)
+    job_one = PrefillJob(runner, SequenceCache(model.config), prompt, chunk=4096)
+    while (ref := job_one.step()) is None:
+        pass
+    cache = SequenceCache(model.config)
+    job = PrefillJob(runner, cache, prompt, chunk=4096)
+    for n in pieces:
+        assert job.step(n) is None
+    got = job.step()  # the decoder replay
+    assert rel_err(got, ref) <= 1e-5, rel_err(got, ref)
+    for s, store in cache.entry_stores.items():
+        other = job_one.seq.entry_stores[s]
+        assert store.n_entries == other.n_entries == len(prompt) // store.ratio
+        diff = (store.entries() - other.entries()).abs().max().item()
+        assert diff <= 1e-5 * other.entries().abs().max().item() + 1e-6, (s, diff)
 
 
 def test_seeded_sampling_in_a_batch_equals_alone():
@@ -151,7 +176,7 @@ def test_preemption_to_host_and_back_equals_an_uninterrupted_run(monkeypatch):
     ref = run_all(roomy, prompts, outputs)
     ref_rows = {s.id: list(seen[s.id]) for s in ref}
     seen.clear()
-    tight = Engine(model, max_batch=4, prefill_chunk=16, page_rows=4, max_seq_len=80, max_tokens=120)
+    tight = Engine(model, max_batch=4, prefill_chunk=16, page_rows=4, max_seq_len=80, max_tokens=130)
     got = run_all(tight, prompts, outputs)
     assert tight.stats.preemptions > 0, "the pools were meant to run out"
     assert roomy.stats.preemptions == 0
@@ -178,7 +203,9 @@ def test_abort_and_stop_return_every_page_and_slot():
     assert held > 0
     engine.abort(seqs[0])  # running
     engine.abort(seqs[4])  # still waiting
-    while engine.has_work():
+    for _ in range(300):  # a leak would leave the waiting ones without a slot forever
+        if not engine.has_work():
+            break
         engine.step()
     assert all(s.finished for s in seqs)
     assert seqs[0].finish_reason == "cancelled" and len(seqs[1].output) == 12
@@ -194,3 +221,39 @@ def test_bytes_per_token_measured_from_the_allocated_pools_equals_the_accounting
     # and from the tensors themselves: bytes of one page of every source / entries per token
     per_token = sum((p.kv[0].numel() + p.index[0].numel()) / p.page_rows / p.ratio for p in pools.sources.values())
     assert per_token == expected
+
+
+def test_logprobs_are_the_log_softmax_of_the_step_logits_and_a_failing_row_fails_alone(monkeypatch):
+    torch.manual_seed(46)
+    model = engine_test_model(46)
+    seen = spy_logits(monkeypatch)
+    engine = Engine(model, max_batch=4)
+    import dsv41.engine.engine as engine_module
+
+    real = engine_module.sample
+
+    def sample(logits, params, generators):  # one request's parameters break the sampler
+        if any(p.seed == 666 for p in params):
+            raise RuntimeError("boom")
+        return real(logits, params, generators)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+    prompts = [torch.randint(3, 1000, (n,)).tolist() for n in (12, 30, 7)]
+    good = engine.add_request(prompts[0], SamplingParams(max_tokens=6, logprobs=3))
+    plain = engine.add_request(prompts[1], SamplingParams(max_tokens=6))
+    bad = engine.add_request(prompts[2], SamplingParams(max_tokens=6, temperature=1.0, seed=666))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert bad.finished and bad.finish_reason == "error" and "boom" in bad.error
+    assert [o.error for o in outs if o.request is bad] == [bad.error]
+    assert len(good.output) == 6 and len(plain.output) == 6  # the batch went on
+    mine = [o for o in outs if o.request is good]
+    for out, row in zip(mine, seen[good.id]):
+        ref = torch.log_softmax(row.double(), -1)
+        assert abs(out.logprob - ref[out.token].item()) < 1e-5
+        top = torch.topk(ref, 3)
+        assert [t for t, _ in out.top_logprobs] == top.indices.tolist()
+        assert max(abs(lp - v) for (_, lp), v in zip(out.top_logprobs, top.values.tolist())) < 1e-5
+    assert all(o.logprob is None for o in outs if o.request is plain)
+    assert engine.pools.free_slots == engine.pools.max_slots

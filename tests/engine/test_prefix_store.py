@@ -92,6 +92,18 @@ def test_round_trip_is_byte_exact(tmp_path):
         assert blob.read_bytes()[:8] == b"DSV41PU\x00" and blob.name == f"{key(1)}.bin"
 
 
+def test_a_valid_blob_under_another_units_key_is_a_miss(tmp_path):
+    """The index row's checksum names the blob: a self-consistent blob of another unit in a unit's file
+    (a mixed-up copy, a restore from elsewhere) is refused, not served as that unit."""
+    with PersistentStore(tmp_path) as store:
+        a, b = random_unit(11, nbytes=300), random_unit(12, nbytes=300)
+        assert store.put(key(1), *a) and store.put(key(2), *b)
+        path_a = store._blob_path(key(1))
+        path_a.write_bytes(store._blob_path(key(2)).read_bytes())
+        assert store.get(key(1)) is None
+        assert_same_unit(store.get(key(2)), b)
+
+
 def test_every_single_byte_flip_is_detected():
     blob = bytearray(encode_unit(*random_unit(2, nbytes=40)))
     for i in range(len(blob)):
@@ -132,6 +144,9 @@ def test_chain_hashes_prefix_property_and_sensitivity():
             chain_hashes(tokens, bad, salt)
     with pytest.raises(ValueError):
         chain_hashes([1, -2, 3], [3], salt)
+    # every bit of a token id counts: ids 2^16 apart (the release's vocabulary has 129,280) differ
+    assert chain_hashes([70_000, 5], [2], salt) != chain_hashes([70_000 - 65_536, 5], [2], salt)
+    assert chain_hashes([129_279], [1], salt) != chain_hashes([129_279 - 65_536], [1], salt)
 
 
 def test_unit_boundaries_are_aligned():

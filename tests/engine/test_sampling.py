@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from dsv41.engine.sampling import SamplingParams, StopChecker, finish_reason, make_generator, sample
+from dsv41.engine.sampling import (
+    MAX_INT,
+    TOP_P_MIN,
+    SamplingParams,
+    StopChecker,
+    finish_reason,
+    make_generator,
+    sample,
+    token_logprobs,
+)
 
 # chi-square critical values at p = 0.001, by degrees of freedom
 CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
@@ -103,10 +112,13 @@ def test_sampled_frequencies_match_the_truncated_distribution(temperature, top_k
 
 def test_top_p_always_keeps_the_top_token():
     logits = _logits(3, 200, 4)
-    params = [SamplingParams(temperature=2.0, top_p=1e-9, seed=s) for s in range(3)]
+    params = [SamplingParams(temperature=2.0, top_p=TOP_P_MIN, seed=s) for s in range(3)]
+    params[1].top_p = 1e-50  # below validation (set afterwards): 0 in fp32, must still not crash
+    params[2].top_k = 2**63  # ditto: past int64
     generators = [make_generator(s) for s in range(3)]
     for _ in range(5):
-        assert torch.equal(sample(logits, params, generators), logits.argmax(-1))
+        out = sample(logits, params, generators)
+        assert torch.equal(out[:2], logits.argmax(-1)[:2]) and 0 <= out[2] < 200
 
 
 def test_make_generator_seeds():
@@ -122,6 +134,10 @@ def test_make_generator_seeds():
     ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"top_k": True}, "top_k"),
     ({"max_tokens": 0}, "max_tokens"), ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
     ({"stop_token_ids": 5}, "stop_token_ids"), ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"top_k": 2**63}, "top_k"), ({"top_k": MAX_INT + 1}, "top_k"), ({"top_p": 1.4e-45}, "top_p"),
+    ({"top_p": TOP_P_MIN / 2}, "top_p"), ({"max_tokens": 2**63}, "max_tokens"),
+    ({"stop_token_ids": [2**40]}, "stop_token_ids"), ({"logprobs": -1}, "logprobs"), ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"), ({"logprobs": 2.0}, "logprobs"),
 ])
 def test_invalid_params_raise_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -149,3 +165,34 @@ def test_finish_reasons_and_the_stop_token_accounting():
     assert checker.output_token_ids == [1, 1, 1, 1]
     assert finish_reason(9, 4, params) == "stop"  # a stop id on the last allowed step is "stop"
     assert finish_reason(8, 3, params) is None and finish_reason(8, 4, params) == "length"
+
+
+def test_check_vocab_bounds_top_k_and_stop_ids():
+    SamplingParams(top_k=100, stop_token_ids=[99]).check_vocab(100)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=101).check_vocab(100)
+    with pytest.raises(ValueError, match="stop token id 100"):
+        SamplingParams(stop_token_ids=[100]).check_vocab(100)
+    assert SamplingParams(logprobs=20).logprobs == 20 and SamplingParams(logprobs=0).logprobs == 0
+
+
+def test_token_logprobs_match_an_fp64_reference():
+    g = torch.Generator().manual_seed(31)
+    B, V, k = 5, 333, 7
+    logits = torch.randn(B, V, generator=g) * 4
+    logits[2, [10, 50]] = logits[2].max() + 1.0  # a tie at the top: the lower id comes first
+    tokens = torch.randint(0, V, (B,), generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        lp, ids, top = token_logprobs(logits.to(dtype), tokens, k)
+        ref = torch.log_softmax(logits.to(dtype).double(), dim=-1)  # fp64 over the same (rounded) inputs
+        err = (lp.double() - ref[torch.arange(B), tokens]).abs().max().item()
+        assert err < 1e-5, f"chosen logprob max error {err:.3g}"
+        order = np.lexsort((np.arange(V)[None].repeat(B, 0), -ref.numpy()), axis=-1)[:, :k]  # desc, ties by id
+        assert torch.equal(ids, torch.from_numpy(order)), (ids, order)
+        err = (top.double() - ref.gather(1, ids)).abs().max().item()
+        assert err < 1e-5, f"top logprob max error {err:.3g}"
+    assert ids[2, 0] == 10 and ids[2, 1] == 50
+    lp0, ids0, top0 = token_logprobs(logits, tokens, 0)
+    assert ids0.shape == (B, 0) and top0.shape == (B, 0) and torch.equal(lp0, token_logprobs(logits, tokens, 3)[0])
+    with pytest.raises(ValueError):
+        token_logprobs(logits, tokens, 21)

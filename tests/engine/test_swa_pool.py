@@ -4,6 +4,7 @@ round trip, GETEX refresh of the entry's TTL, two pools sharing data, and an unr
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -191,9 +192,8 @@ def test_redis_two_pools_share_entries(redis_url):
 
 def test_redis_unreachable_is_a_quiet_miss(caplog):
     pytest.importorskip("redis", reason="the redis Python client is not installed (pip install redis)")
-    clock = FakeClock()
     port = free_port()  # nothing listens here
-    pool = RedisSWAPool(f"redis://127.0.0.1:{port}/0", retry_s=5.0, clock=clock)
+    pool = RedisSWAPool(f"redis://127.0.0.1:{port}/0", retry_s=5.0, probe=False)
     attempts = []
     real_call = pool._client.execute_command
     pool._client.execute_command = lambda *a, **k: attempts.append(a[0]) or real_call(*a, **k)
@@ -204,19 +204,46 @@ def test_redis_unreachable_is_a_quiet_miss(caplog):
             assert pool.get("k") is None
             assert pool.put("k", *unit) is False
         assert time.monotonic() - t0 < 5  # no backoff stalls
-        assert len(attempts) == 1  # one failed attempt, then no contact until retry_s has passed
-        clock.t += 6
-        assert pool.get("k") is None
-        assert len(attempts) == 2
+        assert len(attempts) == 1 and pool.down  # one failed attempt, then callers never contact the server
+        assert not pool.probe_now() and pool.get("k") is None
+        assert len(attempts) == 2  # only the probe went out
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
     assert pool.stats()["errors"] >= 40
     if shutil.which("redis-server") is None:
         return
-    proc = start_redis(port)  # the server comes back: the next retry reconnects
+    proc = start_redis(port)  # the server comes back: the probe closes the breaker
     try:
-        clock.t += 6
+        assert pool.probe_now() and not pool.down
         assert pool.put("k", *unit) and pool.get("k") is not None
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_hung_redis_costs_one_timeout_then_the_probe_recovers(redis_url):
+    """SIGSTOP the server (connections accepted, never answered): the first call times out, every later call is
+    an instant miss, and after SIGCONT the background probe closes the breaker."""
+    import signal
+
+    pool = RedisSWAPool(redis_url, retry_s=0.2, socket_timeout_s=0.3)
+    unit = window_rings(8)
+    assert pool.put("a", *unit)
+    pid = int(pool._client.info("server")["process_id"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert pool.get("a") is None  # times out once
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        for _ in range(50):
+            assert pool.get("a") is None and pool.put("b", *unit) is False
+        rest = time.monotonic() - t0
+        assert first < 2.0 and rest < 0.5, (first, rest)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while pool.down and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pool.down and pool.get("a") is not None
+    pool.close()

@@ -7,7 +7,13 @@ import torch
 
 from dsv41.optim.muon import Muon, newton_schulz
 
-RMS_TARGET, RMS_TOL = 0.18, 0.005
+# the 10 steps leave singular values in [1, 1.00054] (measured), so the update RMS is 0.18 to within
+# 0.18·5.4e-4 ≈ 1e-4 (measured ≤ 3e-5 over 300 draws) and NS lies within 1.2e-4 of the exact polar factor.
+# A square Gaussian has a near-singular direction in ~10% of draws that 10 steps leave below 1: each such
+# σ lowers the RMS by up to 0.18·(1 − √(1 − 1/n)) ≈ 9e-4 at n = 100 (measured ≤ 8.2e-4 over 300 draws);
+# the bound allows two.
+RMS_TARGET, RMS_TOL, RMS_TOL_SQUARE = 0.18, 1.5e-4, 2e-3
+POLAR_ATOL = 4e-4
 SV_LO, SV_HI = 0.999, 1.001
 FP32_ATOL = 1e-6
 
@@ -29,7 +35,7 @@ def test_newton_schulz_singular_values_near_one(shape):
     # and it is the polar factor U Vᵀ, not just any orthogonal matrix
     U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
     polar = (U @ Vh).float()
-    assert torch.allclose(X, polar, atol=2e-3), _report("NS vs U Vᵀ", X, polar)
+    assert torch.allclose(X, polar, atol=POLAR_ATOL), _report("NS vs U Vᵀ", X, polar)
 
 
 def test_newton_schulz_near_singular_stays_below_one():
@@ -59,7 +65,8 @@ def test_muon_update_rms(shape):
     p.grad = torch.randn(shape)
     opt.step()
     rms = ((p0 - p.detach()) / lr).square().mean().sqrt().item()
-    assert abs(rms - RMS_TARGET) <= RMS_TOL, f"update RMS {rms:.5f} for {shape}"
+    tol = RMS_TOL_SQUARE if shape[0] == shape[1] else RMS_TOL
+    assert abs(rms - RMS_TARGET) <= tol, f"update RMS {rms:.6f} for {shape} (tolerance {tol:.1e})"
 
 
 def _reference_muon_updates(grads: list[torch.Tensor], mu: float = 0.95) -> list[torch.Tensor]:

@@ -7,9 +7,11 @@ import torch
 
 from dsv41.optim.sinkhorn import SinkhornBalanced, sinkhorn_balance
 
-ROW_RMS_TOL = 1e-5
-COL_RMS_REL_TOL = 0.05
-FP32_RTOL = 1e-5
+# measured over 400 random draws: row RMS within 3e-7 of 1, column RMS (live rows) within 7.4e-6 of 1,
+# vector form vs materialized form 6.4e-7 relative; the bounds sit a few times above
+ROW_RMS_TOL = 1e-6
+COL_RMS_REL_TOL = 3e-5
+FP32_RTOL = 2e-6
 
 
 def _skewed_update(m: int, n: int, n_absent: int, n_tiny: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,10 +100,11 @@ def test_optimizer_step_is_nesterov_then_balance_with_gamma_lr_and_no_decay():
         buf = mu * buf + g
         want = want - gamma * lr * _naive_sinkhorn(g + mu * buf, tau=1e-3, iters=11)
         err = (p.detach() - want).abs().max()
+        # fp32 rounding of p (|p| < 8: one ulp ≤ 4.8e-7); measured ≤ 2.4e-7 over 150 draws
         assert err <= 1e-6, f"max err {err.item():.2e}"
     # update RMS is γ·lr per row, like Muon's 0.18
     p.grad = torch.randn(shape)
     before = p.detach().clone()
     opt.step()
     rms = ((before - p.detach()) / lr).square().mean().sqrt().item()
-    assert abs(rms - gamma) < 1e-4, f"update RMS {rms:.5f}"
+    assert abs(rms - gamma) < 4e-7, f"update RMS {rms:.8f}"  # measured ≤ 1.1e-7 from 0.18 over 150 draws

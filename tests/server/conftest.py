@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 import uvicorn
 
 from dsv41.engine.cli import load_model_and_tokenizer
@@ -39,6 +40,14 @@ class LiveServer:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The engine thread runs with one torch thread (what `dsv41 serve --threads 1` does on a shared box): two
+    OpenMP threads on two busy cores spin against each other and a one-token request can take seconds."""
+    torch.set_num_threads(1)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -67,10 +67,11 @@ def test_disconnect_cancels_and_full_queue_is_429(server):
     scheduler = server.scheduler
     a, b = Stream(server), Stream(server)
     wait_for(lambda: len(scheduler.engine.running) == 2, what="two running sequences")
-    reserved_by_two = scheduler.budget.reserved
+    pools = scheduler.engine.pools
+    assert pools.free_slots == pools.max_slots - 2
     a.disconnect()
     wait_for(lambda: len(scheduler.engine.running) == 1, what="the disconnected sequence to leave the batch")
-    assert scheduler.budget.reserved * 2 == reserved_by_two > 0  # its KV reservation was released
+    assert pools.free_slots == pools.max_slots - 1  # its slot and pages went back at once
 
     c = Stream(server)  # the batch is full again (max_batch=2)
     results = {}
@@ -86,16 +87,19 @@ def test_disconnect_cancels_and_full_queue_is_429(server):
     c.disconnect()
     queued.join(60)
     assert results["r"].status_code == 200 and results["r"].json()["choices"][0]["finish_reason"] == "length"
-    wait_for(lambda: not scheduler.engine.running and scheduler.budget.reserved == 0, what="an idle engine")
+    wait_for(lambda: not scheduler.engine.running and pools.free_slots == pools.max_slots, what="an idle engine")
+    assert all(pools.free_pages(s) == p.n_pages for s, p in pools.sources.items())
     samples = parse(httpx.get(server.url + "/metrics").text)
     assert samples['dsv41_requests_finished_total{reason="cancelled"}'] >= 3
     assert samples['dsv41_http_requests_total{route="/v1/completions",status="429"}'] == 1
-    assert samples["dsv41_requests_running"] == 0 and samples["dsv41_kv_cache_reserved_bytes"] == 0
+    assert samples["dsv41_requests_running"] == 0 and samples["dsv41_kv_cache_used_bytes"] == 0
+    assert samples["dsv41_kv_cache_capacity_bytes"] == scheduler.kv_capacity_bytes > 0
 
 
 def test_non_streaming_disconnect_cancels_too(server):
     scheduler = server.scheduler
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
         httpx.post(server.base_url + "/completions", json=body(400), headers=AUTH, timeout=httpx.Timeout(60, read=1.0))
-    wait_for(lambda: not scheduler.engine.running and scheduler.budget.reserved == 0,
+    pools = scheduler.engine.pools
+    wait_for(lambda: not scheduler.engine.running and pools.free_slots == pools.max_slots,
              what="the abandoned request to leave the batch")

@@ -132,13 +132,16 @@ def test_seeded_sampling_is_reproducible(client):
 def test_errors_through_the_client(server, client):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:  # 404, as OpenAI answers
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
     assert e.value.body["code"] == "model_not_found"
-    for bad in (dict(temperature=2.5), dict(top_p=0), dict(max_tokens=0), dict(n=2), dict(max_tokens=10_000)):
+    for bad in (dict(temperature=2.5), dict(top_p=0), dict(max_tokens=0), dict(n=17), dict(max_tokens=10_000),
+                dict(extra_body={"top_k": 2**63}), dict(top_p=1e-45), dict(extra_body={"top_k": 16385})):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL_NAME, prompt="x", **{"max_tokens": 1, **bad})
-        assert e.value.body["type"] == "invalid_request_error" and e.value.body["param"] in {*bad, "max_tokens"}
+        bad = bad.get("extra_body", bad)
+        assert e.value.body["type"] == "invalid_request_error" and e.value.body["param"] in {*bad, "max_tokens"}, (
+            bad, e.value.body)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL_NAME, prompt="word " * 600, max_tokens=1)
     assert e.value.body["code"] == "context_length_exceeded"
@@ -150,6 +153,6 @@ def test_text_stream_holds_back_partial_stop_and_characters(tiny):
     _, tok = tiny
     ids = tok.encode("héllo wörld, stop here")
     whole = TextStream(tok, ["stop"], split_reasoning=False)
-    pieces = [whole.feed(t).get("content", "") for t in ids] + [whole.finish().get("content", "")]
+    pieces = [whole.feed(t).text.get("content", "") for t in ids] + [whole.finish().text.get("content", "")]
     assert "".join(pieces) == "héllo wörld, " and whole.stopped
     assert all("\ufffd" not in p for p in pieces)

@@ -1,5 +1,6 @@
-"""Scheduler policy against a scripted engine (no model): KV-budget admission in FIFO order, the bounded queue,
-cancellation leaving the running batch, deadlines, and the per-step prefill allowance."""
+"""The server's thread / queue adapter against a scripted engine (no model): FIFO hand-over while the engine
+holds fewer than max_batch, context-length refusal, the bounded queue, cancellation leaving the running batch,
+deadlines. (Memory admission, chunked prefill and preemption are the engine's: tests/engine/.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from dsv41.engine.engine import StepOutput
 from dsv41.engine.sampling import SamplingParams
-from dsv41.server.scheduler import Failure, Finish, KVBudget, QueueFull, Scheduler, Token, TooLarge, kv_estimate
+from dsv41.server.scheduler import Failure, Finish, QueueFull, Scheduler, Token, TooLarge
 
 
 @dataclass
@@ -31,15 +32,15 @@ class FakeRequest:
 class FakeEngine:
     """Engine's scheduling surface: each step admits every waiting request and emits one token per request."""
 
-    def __init__(self, max_batch: int, step_s: float = 0.0):
-        self.max_batch, self.step_s = max_batch, step_s
+    def __init__(self, max_batch: int, step_s: float = 0.0, max_seq_len: int = 64):
+        self.max_batch, self.step_s, self.max_seq_len = max_batch, step_s, max_seq_len
         self.running: list[FakeRequest] = []
         self.waiting: list[FakeRequest] = []
         self.prefix_cache = None
         self.prefilled: list[list[int]] = []  # prompt ids prefilled per step
         self._next = 0
 
-    def add_request(self, prompt, params):
+    def add_request(self, prompt, params, namespace=None):
         self._next += 1
         self.waiting.append(FakeRequest(self._next, prompt, params))
         return self.waiting[-1]
@@ -79,24 +80,12 @@ class Inbox:
             self.done.set()
 
 
-def make(max_batch=8, budget=10**9, step_s=0.0, **kw) -> Scheduler:
-    return Scheduler(FakeEngine(max_batch, step_s), kv_budget_bytes=budget, bytes_per_token=10, window_bytes=100,
-                     **kw)
+def make(max_batch=8, step_s=0.0, **kw) -> Scheduler:
+    return Scheduler(FakeEngine(max_batch, step_s), **kw)
 
 
-def test_kv_budget_policy():
-    b = KVBudget(1000)
-    assert b.fits(1000) and not b.fits(1001)
-    b.reserve(600)
-    assert not b.fits(500) and b.fits(400)
-    b.release(600)
-    assert b.reserved == 0
-    assert kv_estimate(prompt_tokens=20, max_tokens=30, bytes_per_token=52.5, window_bytes=8448) == 50 * 52 + 25 + 8448
-
-
-def test_admission_waits_for_budget_in_fifo_order():
-    # each request reserves (10 + 5) * 10 + 100 = 250 bytes; the budget holds two
-    s = make(budget=500, step_s=0.01)
+def test_hand_over_in_fifo_order_while_the_engine_has_room():
+    s = make(max_batch=2, step_s=0.01)
     inboxes = [Inbox() for _ in range(3)]
     s.start()
     try:
@@ -106,12 +95,13 @@ def test_admission_waits_for_budget_in_fifo_order():
             assert box.done.wait(5)
     finally:
         s.stop()
-    assert s.engine.prefilled[0] == [1, 2]  # the third waited for a release
+    assert s.engine.prefilled[0] == [1, 2]  # the third waited for room in the batch
     assert [3] in s.engine.prefilled
     assert all(isinstance(b.events[-1], Finish) and b.events[-1].completion_tokens == 5 for b in inboxes)
-    assert s.budget.reserved == 0
-    with pytest.raises(TooLarge):  # could never fit: refused at once
-        s.submit([1] * 100, SamplingParams(max_tokens=5), Inbox())
+    assert not s._active
+    with pytest.raises(TooLarge):  # a prompt that can never fit the context: refused at once
+        s.submit([1] * 64, SamplingParams(max_tokens=5), Inbox())
+    s.submit([1] * 63, SamplingParams(max_tokens=5), Inbox())  # the engine cuts it at the context end
 
 
 def test_queue_bound_and_cancel():
@@ -159,17 +149,3 @@ def test_deadlines_cut_running_and_fail_queued():
         assert queued.events[-1].code == "timeout" and not blocker.done.is_set()
     finally:
         s.stop()
-
-
-def test_prefill_allowance_spreads_a_burst_of_long_prompts():
-    s = make(prefill_tokens_per_step=100, step_s=0.005)
-    boxes = [Inbox() for _ in range(4)]
-    for box in boxes:
-        s.submit([1] * 60, SamplingParams(max_tokens=3), box)
-    s.start()
-    try:
-        for box in boxes:
-            assert box.done.wait(5)
-    finally:
-        s.stop()
-    assert [len(p) for p in s.engine.prefilled if p] == [1, 1, 1, 1]  # 60 + 60 > 100: one per step

@@ -99,7 +99,7 @@ def test_chat_template_format():
     with pytest.raises(ValueError):
         apply_chat_template(_conversation(), reasoning_effort=0)
     with pytest.raises(ValueError):
-        apply_chat_template([{"role": "tool", "content": "x"}])
+        apply_chat_template([{"role": "robot", "content": "x"}])
 
 
 def test_effort_change_keeps_cached_prefix(tok):

@@ -13,8 +13,9 @@ What lives here (SPEC §1a, §4; nano-vllm's `block_manager.py`, vLLM's KV-cache
   * one extra **dummy slot** (id `dummy_slot`) that padded rows of a fixed-size decode batch read
     and write, so a captured batch never touches a real sequence.
 
-Capacity is counted in pages and slots on the host (`can_allocate`, `allocate`, `free`): no
-allocation ever happens on the device after start-up, so the memory a server holds is known up
+Capacity is counted in pages and slots on the host (`pages_needed`, `alloc_page`, `alloc_slot`,
+`free_page_ids`, `free_slot`; the engine's scheduler plans with them): no allocation ever happens on
+the device after start-up, so the memory a server holds is known up
 front and `bytes_per_token()` is measured from the pools themselves.
 """
 
@@ -110,14 +111,15 @@ class BlockManager:
             n_pages = pages_for(-(-self.max_tokens // m), page_rows) + max_slots
             width = pages_for(-(-self.max_seq_len // m), page_rows)
             table_host = torch.zeros(S, width, dtype=torch.int32)
-            pend = (lambda: torch.zeros(S, m - 1, c.head_dim, dtype=torch.float32, device=self.device)) \
-                if m > 1 else (lambda: None)
+            pend_shape = (S, m - 1, c.head_dim)
             self.sources[p.layer_id] = SourcePool(
                 p.layer_id, m,
                 kv=torch.zeros(n_pages, page_rows, kv_bytes, dtype=torch.uint8, device=self.device),
                 index=torch.zeros(n_pages, page_rows, index_bytes, dtype=torch.uint8, device=self.device),
                 table=torch.zeros(S, width, dtype=torch.int32, device=self.device),
-                table_host=table_host, pending_kv=pend(), pending_score=pend())
+                table_host=table_host,
+                pending_kv=torch.zeros(pend_shape, device=self.device) if m > 1 else None,
+                pending_score=torch.zeros(pend_shape, device=self.device) if m > 1 else None)
             self._free_pages[p.layer_id] = list(range(n_pages - 1, -1, -1))  # pop() hands out 0, 1, …
         self.window = c.window_size
         self.ring_bytes = CACHE_LAYOUTS["window_fp8"].row_bytes(c.head_dim)
@@ -147,14 +149,6 @@ class BlockManager:
         have = have or {}
         return {s: max(0, pages_for(n_tokens // p.ratio, self.page_rows) - have.get(s, 0))
                 for s, p in self.sources.items()}
-
-    def can_allocate(self, n_tokens: int, have: dict[int, int] | None = None, slot: bool = False) -> bool:
-        """Room for a sequence to grow to n_tokens (and, with slot=True, a free slot)."""
-        if slot and not self._free_slots:
-            return False
-        if n_tokens > self.max_seq_len:
-            return False
-        return all(n <= len(self._free_pages[s]) for s, n in self.pages_needed(n_tokens, have).items())
 
     # ------------------------------------------------------------------ slots and pages
     def alloc_slot(self) -> int:
@@ -235,12 +229,6 @@ class BlockManager:
             "partial_groups": sum(nbytes(p.pending_kv) + nbytes(p.pending_score) for p in self.sources.values()),
             "window_rings": nbytes(self.ring_rows) + nbytes(self.ring_positions),
         }
-
-    def usage(self) -> dict[str, float]:
-        """Fraction of pages and slots in use."""
-        out = {f"pages_{s}": 1 - len(self._free_pages[s]) / p.n_pages for s, p in self.sources.items()}
-        out["slots"] = 1 - len(self._free_slots) / self.max_slots
-        return out
 
     @staticmethod
     def tokens_for_budget(config: ModelConfig, budget_bytes: int, max_slots: int) -> int:

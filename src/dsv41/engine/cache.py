@@ -74,6 +74,13 @@ class PagedRows:
         R, pages = self.page_rows, self.page_ids
         return [pages[i // R] * R + i % R for i in range(first, first + n)]
 
+    def reserve_ids(self, n: int) -> Tensor:
+        """`reserve` for many rows at once: the pool row ids as a device tensor (n,) int64."""
+        first = self.n_rows
+        self.cache.ensure_pages(self.layer_id, first + n)
+        self.n_rows += n
+        return self.row_ids(torch.arange(first, first + n, device=self.rows.device))
+
     def row_ids(self, index: Tensor) -> Tensor:
         """Pool row ids of logical rows `index` (any shape, all valid)."""
         table = torch.tensor(self.page_ids, dtype=torch.long, device=index.device)
@@ -119,6 +126,18 @@ class EntryStore:
                                f"{self.index_k.n_rows} index keys")
         self.index_k.reserve(n)
         return self.kv.reserve(n)
+
+    def reserve_ids(self, n: int) -> Tensor:
+        """`reserve` as a device tensor (n,) int64 (prefill chunks: no Python list of row ids)."""
+        if self.kv.n_rows != self.index_k.n_rows:
+            raise RuntimeError(f"kv source {self.layer_id}: {self.kv.n_rows} entries but "
+                               f"{self.index_k.n_rows} index keys")
+        self.index_k.n_rows += n
+        try:
+            return self.kv.reserve_ids(n)
+        except OutOfPages:
+            self.index_k.n_rows -= n
+            raise
 
     def append(self, entries: Tensor, index_keys: Tensor) -> None:
         """entries (n, head_dim), index_keys (n, index_head_dim) in float → packed rows."""

@@ -60,10 +60,13 @@ def install_engram_map(model, tok) -> None:
 
 def load_checkpoint_and_tokenizer(directory: Path, device: str = "cpu", tokenizer: Path | None = None):
     """(model in eval mode, tokenizer) of a checkpoint directory: its own tokenizer.json unless one is
-    given, else the shipped one; Engram's token map installed. CheckpointError is a ConfigError."""
+    given, else the shipped one; Engram's token map installed; `model.weights_fingerprint` set (the
+    SHA-256 of the weight files, cached beside them: dsv41.fingerprint). CheckpointError is a ConfigError."""
     from dsv41.checkpoint import load_checkpoint
+    from dsv41.fingerprint import checkpoint_fingerprint
 
     model = load_checkpoint(directory, device=device)
+    model.weights_fingerprint = checkpoint_fingerprint(directory)  # the prefix cache's key names these weights
     own = Path(directory) / "tokenizer.json"
     return model, _tokenizer_for(model, tokenizer or (own if own.exists() else None))
 

@@ -79,7 +79,8 @@ class DecodeGraphs:
                 self.runner.decode(io, Bb, n_max)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread-local: the prefix cache's writer thread may copy rows to the host meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.runner.decode(io, Bb, n_max)
         io.device.copy_(real)
         self.captures += 1

@@ -59,14 +59,24 @@ class StepRecord:
     write_rows: dict[int, Tensor] = field(default_factory=dict)  # static: (B, 1) entry row, −1 = none
     topk: Tensor | None = None  # (B, T, K) entry indices, −1 = none
     blocks: Tensor | None = None  # (B, T, kb) candidate block ids of the candidate source, −1 = none
+    rotations: dict[bool, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    def angles(self, attn) -> tuple[Tensor, Tensor]:
+        """cos, sin of the tokens' positions for a layer, computed once per forward for each of the two
+        frequency sets (`rope.layer_frequencies`: window-only layers, compressed layers)."""
+        key = attn.ratio > 0
+        if key not in self.rotations:
+            self.rotations[key] = attn.angles(self.positions)
+        return self.rotations[key]
 
 
 class Runner:
-    def __init__(self, model: Transformer, pools: BlockManager | None = None):
+    """The cached forward of one model over any pools (each call reads them from its sequences / io)."""
+
+    def __init__(self, model: Transformer):
         self.model = model
         self.config = model.config
         self.plans = model.plan
-        self.pools = pools  # the engine's pools; host-driven calls take them from the sequences
 
     # ------------------------------------------------------------------ host-driven entry point
     @torch.no_grad()
@@ -156,7 +166,7 @@ class Runner:
         pools = record.pools
         B, T, _ = x.shape
         W = attn.window
-        cos, sin = attn.angles(record.positions)
+        cos, sin = record.angles(attn)
         qr, q = attn.query(x, cos, sin)
         kv = attn.kv_norm(attn.wkv(x))  # (B, T, D) before RoPE and FP8
         ring_rows = pools.ring_rows[layer_id].view(-1, pools.ring_bytes)  # (S·W, bytes)
@@ -208,13 +218,13 @@ class Runner:
         attn = self.model.layers[layer_id].attn
         comp, m = attn.compressor, attn.ratio
         pool = record.pools.sources[layer_id]
-        rows: list[int] = []
+        rows: list[Tensor] = []
         record.sources.pop(layer_id, None)
         T = x.size(1)
         if m == 1:  # every token is an entry: one projection for the whole batch
             latent, starts = comp.norm(comp.wkv(x)).flatten(0, 1), record.positions.flatten()  # (B·T, D), (B·T,)
             for s in record.seqs:
-                rows += s.entry_stores[layer_id].reserve(T)
+                rows.append(s.entry_stores[layer_id].reserve_ids(T))
         else:
             latents, group_starts = [], []
             for b, s in enumerate(record.seqs):
@@ -232,11 +242,11 @@ class Runner:
                 pooled = comp.pool(kv[:n * m].view(n, m, -1), score[:n * m].view(n, m, -1))  # (n, D)
                 latents.append(comp.norm(pooled.to(x.dtype)))
                 group_starts.append(record.start[b] - r + m * torch.arange(n, device=x.device))
-                rows += s.entry_stores[layer_id].reserve(n)
+                rows.append(s.entry_stores[layer_id].reserve_ids(n))
             if not latents:
                 return
             latent, starts = torch.cat(latents), torch.cat(group_starts)
-        row_ids = torch.tensor(rows, device=x.device)[None]
+        row_ids = torch.cat(rows)[None]
         self._write_entries(layer_id, latent.unsqueeze(0), starts.unsqueeze(0), row_ids, pool)
 
     def _compress_static(self, layer_id: int, x: Tensor, record: StepRecord) -> None:

@@ -13,6 +13,13 @@ Finishing (`finish_reason`, `StopChecker`): "stop" when the sampled token is one
 `stop_token_ids` — that token is not shown to the user but is counted as generated (it cost a
 decode step; it counts toward `max_tokens` and usage) — and "length" when `max_tokens` tokens
 have been generated. A stop id reached on the last allowed step reports "stop".
+
+Validation (`SamplingParams.__post_init__`, and `check_vocab` once the vocabulary is known) range-checks
+every field, so a request the sampler could not run (a top_k past any int64, a top_p that rounds to 0 in
+fp32, ...) is refused when it is made instead of failing a whole batch mid-step.
+
+Log-probabilities (`token_logprobs`) are those of the model's *unmodified* next-token distribution,
+log_softmax(logits) — before temperature, top-k or top-p — which is what OpenAI's `logprobs` report.
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ from torch import Tensor
 
 FinishReason = Literal["stop", "length"]
 
+TOP_P_MIN = 1e-8  # smaller masses are refused: fp32 rounds them towards 0 and the nucleus would be empty
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_INT = 2**31 - 1  # top_k / max_tokens / stop ids beyond this cannot be meant (and overflow int32 kernels)
+
 
 @dataclass
 class SamplingParams:
@@ -35,6 +46,7 @@ class SamplingParams:
     max_tokens: int = 16  # generated tokens (a final stop token included) before "length"
     stop_token_ids: list[int] = field(default_factory=list)  # any of these ends the request ("stop")
     seed: int | None = None  # seeds the request's own generator; None = nondeterministic
+    logprobs: int | None = None  # None: no log-probabilities; k in 0..20: the sampled token's and the top k
 
     def __post_init__(self) -> None:
         def number(name: str) -> float:
@@ -43,25 +55,36 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
             return float(value)
 
-        def integer(name: str, low: int) -> int:
+        def integer(name: str, low: int, high: int = MAX_INT) -> int:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
             return value
 
         if number("temperature") < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0 < number("top_p") <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not TOP_P_MIN <= number("top_p") <= 1:
+            raise ValueError(f"top_p must be in [{TOP_P_MIN:g}, 1], got {self.top_p!r}")
         integer("top_k", 0)
         integer("max_tokens", 1)
+        if self.logprobs is not None:
+            integer("logprobs", 0, MAX_LOGPROBS)
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
-                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_INT for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids in [0, {MAX_INT}], "
+                             f"got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
         if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)
                                           and 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The checks that need the model: top_k and stop ids within the vocabulary (ValueError otherwise)."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be <= the vocabulary size {vocab_size} (0 = off), got {self.top_k}")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
 
     @property
     def greedy(self) -> bool:
@@ -101,7 +124,7 @@ def sample(logits: Tensor, params_list: list[SamplingParams], generators: list[t
     picked = [params_list[i] for i in rows]
     # fp32 temperatures; one below fp32's range would round to 0 and turn 0 / 0 into NaN
     temperature = torch.tensor([p.temperature for p in picked], device=device).clamp(min=torch.finfo().tiny)
-    top_k = torch.tensor([p.top_k or V for p in picked], device=device)
+    top_k = torch.tensor([min(p.top_k or V, V) for p in picked], device=device)  # clamped in Python: no overflow
     top_p = torch.tensor([p.top_p for p in picked], device=device)
 
     sorted_logits, sorted_ids = logits[rows].sort(dim=-1, descending=True, stable=True)  # (S, V), ties: lower id
@@ -111,7 +134,8 @@ def sample(logits: Tensor, params_list: list[SamplingParams], generators: list[t
     keep = rank[None, :] < top_k[:, None]  # (S, V) top-k
     probs = scaled.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # renormalized over top-k
     mass_before = probs.cumsum(dim=-1) - probs  # exclusive prefix mass
-    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # nucleus; rank 0 always stays
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # nucleus
+    keep[:, 0] = True  # the most likely token always stays (even if top_p rounded to 0)
     probs = probs * keep
     cdf = probs.cumsum(dim=-1)  # (S, V), flat after the last kept token
 
@@ -121,6 +145,25 @@ def sample(logits: Tensor, params_list: list[SamplingParams], generators: list[t
     position = torch.minimum(position, keep.sum(dim=-1) - 1)  # rounding guard: stay inside the kept set
     tokens[rows] = sorted_ids.gather(1, position.unsqueeze(-1)).squeeze(-1)
     return tokens
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-probabilities as OpenAI reports them: of the *unmodified* logits (no temperature, top-k, top-p).
+
+    logits (B, V), tokens (B,) → logprob (B,) of each row's token, top_ids (B, k) and top_logprobs (B, k),
+    the k most likely tokens in descending order (ties: the lower id first). fp32 log_softmax."""
+    if logits.dim() != 2 or tokens.shape != logits.shape[:1]:
+        raise ValueError(f"token_logprobs: logits (B, V) and tokens (B,), got {tuple(logits.shape)} and "
+                         f"{tuple(tokens.shape)}")
+    if not 0 <= k <= min(MAX_LOGPROBS, logits.size(1)):
+        raise ValueError(f"token_logprobs: k must be in [0, {min(MAX_LOGPROBS, logits.size(1))}], got {k}")
+    logp = logits.float().log_softmax(dim=-1)  # (B, V)
+    chosen = logp.gather(1, tokens.long().unsqueeze(1)).squeeze(1)  # (B,)
+    if k == 0:
+        empty = logp.new_empty(logp.size(0), 0)
+        return chosen, empty.long(), empty
+    top_lp, top_ids = logp.sort(dim=-1, descending=True, stable=True)  # (B, V): ties keep the lower id first
+    return chosen, top_ids[:, :k], top_lp[:, :k]
 
 
 def finish_reason(token_id: int, num_generated: int, params: SamplingParams) -> FinishReason | None:

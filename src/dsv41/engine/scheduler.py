@@ -26,9 +26,14 @@ from dsv41.engine.sequence import Sequence, SequenceStatus
 
 
 class Capacity(Protocol):
-    def can_admit(self, seq: Sequence, prefilling: list[Sequence]) -> bool: ...
+    """What the scheduler asks of the engine's pools (host bookkeeping, page counts per kv source)."""
 
-    def can_grow(self, seq: Sequence, n_tokens: int) -> bool: ...
+    def free_pages(self) -> dict[int, int]: ...
+
+    def pages_to_grow(self, seq: Sequence, n_tokens: int) -> dict[int, int]: ...
+
+    def pages_to_admit(self, seq: Sequence) -> dict[int, int] | None:
+        """Pages the sequence's whole prompt needs (None: no slot free, or it can never fit)."""
 
     def admit(self, seq: Sequence) -> None: ...
 
@@ -77,50 +82,57 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
         budget = self.token_budget
+        plan = _Pages(self.capacity)
         # 1. one decode token for every running sequence past its prefill; make room by preempting
-        #    the newest running sequence when a page is missing
+        #    the newest running sequence when pages are missing
         for seq in list(self.running):
             if seq not in self.running or seq.prefilling:
                 continue
-            while not self.capacity.can_grow(seq, 1):
+            while not plan.claim(seq, self.capacity.pages_to_grow(seq, 1)):
                 victim = next((s for s in reversed(self.running) if s is not seq), None)
-                self._preempt(victim or seq, out)
+                self._preempt(victim or seq, out, plan)
                 if victim is None:
                     break
             if seq in self.running:
                 out.decode.append(seq)
         budget -= len(out.decode)
-        # 2. the next piece of every sequence still prefilling, oldest first
+        # 2. the next pieces of every sequence still prefilling, oldest first
         for seq in self.running:
             if seq.prefilling and budget > 0:
-                budget -= self._piece(seq, budget, out)
-        # 3. admit from the queue (FIFO, no overtaking) while the budget and the batch have room
+                budget -= self._piece(seq, budget, out, plan)
+        # 3. admit from the queue (FIFO, no overtaking) while the budget and the batch have room, and
+        #    the head's whole prompt fits beside what the running prefills still need
+        committed = plan.commitments([s for s in self.running if s.prefilling])
         while self.waiting and budget > 0 and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            if not self.capacity.can_admit(seq, [s for s in self.running if s.prefilling]):
+            need = self.capacity.pages_to_admit(seq)
+            if need is None or not plan.fits(need, committed):
                 break
             self.waiting.popleft()
-            self.capacity.admit(seq)
+            self.capacity.admit(seq)  # may take pages now (prefix-cache rows, a swap-in)
+            plan.free = self.capacity.free_pages()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.admitted.append(seq)
             if seq.prefilling:
-                budget -= self._piece(seq, budget, out)
-            elif self.capacity.can_grow(seq, 1):  # swapped back in mid-decode
+                committed = plan.commitments([s for s in self.running if s.prefilling])
+                budget -= self._piece(seq, budget, out, plan)
+            elif plan.claim(seq, self.capacity.pages_to_grow(seq, 1)):  # swapped back in mid-decode
                 out.decode.append(seq)
                 budget -= 1
         return out
 
-    def _piece(self, seq: Sequence, budget: int, out: ScheduledBatch) -> int:
+    def _piece(self, seq: Sequence, budget: int, out: ScheduledBatch, plan: _Pages) -> int:
         """Schedule the prefill pieces of `seq` that fit in the budget; returns the tokens taken."""
         pieces = seq.job.plan(budget, alone=not out)
-        while pieces and not self.capacity.can_grow(seq, sum(pieces)):
+        while pieces and not plan.claim(seq, self.capacity.pages_to_grow(seq, sum(pieces))):
             pieces.pop()  # waits for pages (a later step, or after a finish frees some)
         out.prefill.extend((seq, n) for n in pieces)
         return sum(pieces)
 
-    def _preempt(self, seq: Sequence, out: ScheduledBatch) -> None:
+    def _preempt(self, seq: Sequence, out: ScheduledBatch, plan: _Pages) -> None:
         self.capacity.preempt(seq)
+        plan.release(seq)
         self.running.remove(seq)
         if seq in out.decode:
             out.decode.remove(seq)
@@ -129,3 +141,45 @@ class Scheduler:
         seq.n_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+
+
+class _Pages:
+    """The pages one step's schedule has claimed so far, against the pools' free pages: each claim is
+    checked against what is left after the earlier ones (two decodes that each need the last free
+    page must not both be scheduled)."""
+
+    def __init__(self, capacity: Capacity):
+        self.capacity = capacity
+        self.free = capacity.free_pages()
+        self.claims: dict[int, dict[int, int]] = {}  # id(seq) → pages claimed for it this step
+        self.total = {s: 0 for s in self.free}
+
+    def fits(self, need: dict[int, int], extra: dict[int, int] | None = None) -> bool:
+        extra = extra or {}
+        return all(self.total[s] + extra.get(s, 0) + n <= self.free[s] for s, n in need.items())
+
+    def claim(self, seq: Sequence, need: dict[int, int]) -> bool:
+        """Claim `need` more pages for seq (replacing an earlier claim of this step); False if short."""
+        before = self.claims.get(id(seq), {})
+        delta = {s: n - before.get(s, 0) for s, n in need.items()}
+        if not self.fits({s: max(0, d) for s, d in delta.items()}):
+            return False
+        for s, d in delta.items():
+            self.total[s] += d
+        self.claims[id(seq)] = dict(need)
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """seq was preempted: its claim is void and its pages are back in the pools."""
+        for s, n in self.claims.pop(id(seq), {}).items():
+            self.total[s] -= n
+        self.free = self.capacity.free_pages()
+
+    def commitments(self, prefilling: list[Sequence]) -> dict[int, int]:
+        """Pages the running prefills will still take beyond this step's claims."""
+        out = {s: 0 for s in self.free}
+        for seq in prefilling:
+            claimed = self.claims.get(id(seq), {})
+            for s, n in self.capacity.pages_to_grow(seq, seq.target_tokens() - seq.num_cached_tokens).items():
+                out[s] += max(0, n - claimed.get(s, 0))
+        return out

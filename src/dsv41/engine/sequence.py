@@ -38,6 +38,7 @@ class Sequence:
     params: SamplingParams
     exact_prefill: bool = False
     generator: Any = None  # the request's torch.Generator (sampling)
+    namespace: str | bytes | None = None  # prefix-cache namespace (tenant, cache salt)
     status: SequenceStatus = SequenceStatus.WAITING
     output: list[int] = field(default_factory=list)  # sampled tokens shown to the user
     next_token: int | None = None  # sampled, not yet run through the model

@@ -84,10 +84,32 @@ def _use_triton(*tensors: Tensor | None) -> bool:
 
 def _impl(family: str, name: str, *tensors: Tensor | None, supported: bool = True):
     """The function `name` of kernels.triton.<family> or kernels.ref.<family>; `supported=False`
-    (a dtype the kernel does not take) keeps `auto` on the twin."""
+    (a dtype the kernel does not take) keeps `auto` on the twin. Under `torch.compile` always the twin
+    (plain torch ops the compiler can trace and fuse; no context variable, no dynamic import)."""
+    if torch.compiler.is_compiling():
+        return getattr(_ref_module(family), name)
     use = _use_triton(*tensors) and (supported or _backend.get() == "triton")
     package = "triton" if use else "ref"
     return getattr(importlib.import_module(f"dsv41.kernels.{package}.{family}"), name)
+
+
+def _ref_module(family: str):
+    """The twins' module by static import (what dynamo can trace)."""
+    if family == "attention":
+        from dsv41.kernels.ref import attention as module
+    elif family == "indexer":
+        from dsv41.kernels.ref import indexer as module
+    elif family == "mhc":
+        from dsv41.kernels.ref import mhc as module
+    elif family == "cache_write":
+        from dsv41.kernels.ref import cache_write as module
+    elif family == "norm":
+        from dsv41.kernels.ref import norm as module
+    elif family == "swiglu":
+        from dsv41.kernels.ref import swiglu as module
+    else:
+        raise ValueError(f"no kernel family {family!r}")
+    return module
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,3 +245,41 @@ def rope_quantize(x: Tensor, cos: Tensor, sin: Tensor, fmt: str, out_rows: Tenso
     if fmt not in CACHE_FORMATS:
         raise ValueError(f"rope_quantize: fmt must be one of {CACHE_FORMATS}, got {fmt!r}")
     _impl("cache_write", "rope_quantize", x, out_rows)(x, cos, sin, fmt, out_rows, row_index)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """Rotate the last 2·cos.size(-1) channels of x (B, T, [H,] D) as adjacent pairs by the angles
+    (cos, sin) (B, T, R/2) — by their negatives when `inverse` — in fp32, rounded to x's dtype; the
+    other channels are copied. Equals `model.rope.apply_rope` bit for bit. One kernel on CUDA."""
+    return _impl("cache_write", "rope", x, cos, sin)(x, cos, sin, inverse)
+
+
+def rope_fake_quant(x: Tensor, cos: Tensor, sin: Tensor, fmt: str) -> Tensor:
+    """`rope`, then the FP4 fake-quant of cache format `fmt` ("kv_fp4": E4M3 scale per 16; "index_fp4":
+    E8M0 per 32) — the values a packed row of `rope_quantize` dequantizes to — in x's dtype. Equals
+    `quant.fp4.fake_quant_fp4(apply_rope(x))` bit for bit. One kernel on CUDA."""
+    return _impl("cache_write", "rope_fake_quant", x, cos, sin)(x, cos, sin, fmt)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight · x / sqrt(mean(x²) + eps) over the last dim in fp32, in x's dtype (`model.norm.RMSNorm`).
+    The Triton kernel agrees with the twin to fp32 rounding (reduction order). One kernel on CUDA."""
+    return _impl("norm", "rms_norm", x, weight, supported=x.dtype in _MHC_FLOATS | {torch.float16})(x, weight, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU (the experts' hidden)
+
+
+def swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> Tensor:
+    """silu(min(gate, limit)) · clamp(up, ±limit) in fp32 (no clamp when limit <= 0), scaled by `weight`
+    (M, G): hidden column j by weight[:, j // (C / G)] — a per-row routing weight (G = 1) or the dense
+    MoE's per-expert blocks (G = E) — rounded once to out_dtype (default gate's). gate, up (M, C).
+    Equals `model.moe._swiglu(...).to(out_dtype)` to fp32 rounding. One kernel on CUDA."""
+    fn = _impl("swiglu", "swiglu", gate, up, weight, supported=gate.dtype in _MHC_FLOATS | {torch.float16})
+    return fn(gate, up, limit, weight, out_dtype)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv41.config import ModelConfig
+from dsv41.kernels import ops
 from dsv41.model.norm import RMSNorm
 from dsv41.model.rope import apply_rope, layer_frequencies, rope_angles
 from dsv41.model.state import ForwardContext
@@ -99,7 +100,7 @@ class Indexer(nn.Module):
 
     def queries(self, qr: Tensor, cos: Tensor, sin: Tensor, quant: bool) -> Tensor:
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # (B, T, Hi, Di)
-        return _maybe(fake_quant_index_fp4, apply_rope(q, cos, sin), quant)
+        return ops.rope_fake_quant(q, cos, sin, "index_fp4") if quant else ops.rope(q, cos, sin)
 
     def head_weights(self, x: Tensor) -> Tensor:
         return self.weights_proj(x).float() * self.weight_scale  # (B, T, Hi)
@@ -248,8 +249,8 @@ class Attention(nn.Module):
     def query(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """(qr (B, T, q_lora_rank), q (B, T, H, D) rotated)."""
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        return qr, apply_rope(q, cos, sin)
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # (B, T, H, D)
+        return qr, ops.rope(q, cos, sin)
 
     def window_kv(self, x: Tensor, cos: Tensor, sin: Tensor, quant: bool | None = None) -> Tensor:
         """This layer's own window KV: kv_norm(wkv(x)), RoPE, FP8 (when quantizing)."""
@@ -268,7 +269,7 @@ class Attention(nn.Module):
 
     def output(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Inverse RoPE on the output's rotary tail, then the grouped projection."""
-        o = apply_rope(o, cos, sin, inverse=True)
+        o = ops.rope(o, cos, sin, inverse=True)
         B, T = o.shape[:2]
         o = o.reshape(B, T, self.n_groups, -1)  # (B, T, G, H·D/G)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)  # (G, R, H·D/G)

@@ -40,8 +40,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv41.config import ModelConfig
+from dsv41.kernels import ops
+from dsv41.kernels.ref.swiglu import swiglu as ref_swiglu
 
-MoEImpl = Literal["auto", "loop", "grouped"]
+MoEImpl = Literal["auto", "loop", "grouped", "dense"]
 
 
 class Gate(nn.Module):
@@ -98,13 +100,9 @@ class Gate(nn.Module):
 
 
 def _swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None) -> Tensor:
-    """The reference's clamped SwiGLU in fp32; the routing weight scales the hidden, before w2."""
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        up = up.clamp(min=-limit, max=limit)
-        gate = gate.clamp(max=limit)
-    h = F.silu(gate) * up
-    return h if weight is None else weight * h
+    """The reference's clamped SwiGLU in fp32; the routing weight scales the hidden, before w2 (the
+    formula is `kernels.ref.swiglu`; the experts call `ops.swiglu`, which also casts for w2 in one pass)."""
+    return ref_swiglu(gate, up, limit, weight, torch.float32)
 
 
 class Expert(nn.Module):
@@ -119,8 +117,7 @@ class Expert(nn.Module):
 
     def forward(self, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """x (n, dim), weight (n, 1) fp32 or None → (n, dim) in x.dtype."""
-        h = _swiglu(self.w1(x), self.w3(x), self.swiglu_limit, weight)
-        return self.w2(h.to(x.dtype))
+        return self.w2(ops.swiglu(self.w1(x), self.w3(x), self.swiglu_limit, weight, x.dtype))
 
 
 # ---------------------------------------------------------------------- routed experts, stacked
@@ -210,14 +207,29 @@ class GroupedExperts(nn.Module):
 
     def expert(self, i: int, x: Tensor, weight: Tensor | None = None) -> Tensor:
         """Expert i alone on x (n, dim): the per-expert twin of the grouped forward."""
-        h = _swiglu(F.linear(x, self.w1[i]), F.linear(x, self.w3[i]), self.swiglu_limit, weight)
-        return F.linear(h.to(x.dtype), self.w2[i])
+        h = ops.swiglu(F.linear(x, self.w1[i]), F.linear(x, self.w3[i]), self.swiglu_limit, weight, x.dtype)
+        return F.linear(h, self.w2[i])
 
     def forward(self, xs: Tensor, ws: Tensor, counts: Tensor, grouped: bool = True) -> Tensor:
         """xs (M, dim) rows sorted by expert, ws (M, 1) fp32 routing weights, counts (E,) rows per expert
         (M = Σ counts) → (M, dim) in the dtype a Linear gives (xs.dtype, or autocast's). `grouped`: one
         grouped_mm per projection (no host sync), else the per-expert loop (reads counts on the host)."""
         return self._grouped(xs, ws, counts) if grouped else self._loop(xs, ws, counts)
+
+    def dense(self, x: Tensor, route: Tensor) -> Tensor:
+        """Every expert on every row, weighted by `route` (N, E) fp32 (0 where not chosen): x (N, dim) →
+        Σ_e route_e · expert_e(x) (N, dim) fp32. Same rounding steps as the grouped path (fp32 SwiGLU ×
+        weight, rounded, w2 in the compute dtype, fp32 sum); no sort and no grouped GEMM, so it is static
+        and CUDA-graph capturable (torch 2.11's grouped_mm copies from pageable host memory). Costs E/k
+        times the routed FLOPs: for few experts (the engine uses it for E ≤ 4k)."""
+        N, E, inter = x.size(0), self.n_experts, self.inter_dim
+        dtype = _compute_dtype(x)
+        a = x.to(dtype)
+        g = F.linear(a, self.w1.to(dtype).view(E * inter, -1))  # (N, E·inter): every expert's w1 in one GEMM
+        u = F.linear(a, self.w3.to(dtype).view(E * inter, -1))
+        h = ops.swiglu(g, u, self.swiglu_limit, route, dtype).view(N, E, inter)  # each expert's block × its weight
+        out = torch.bmm(h.transpose(0, 1), self.w2.to(dtype).transpose(1, 2))  # (E, N, dim)
+        return out.float().sum(0)
 
     def _loop(self, xs: Tensor, ws: Tensor, counts: Tensor) -> Tensor:
         outs = []
@@ -234,8 +246,9 @@ class GroupedExperts(nn.Module):
         a = xs.to(dtype)  # grouped_mm is not autocast-aware: cast only when autocast asks for another dtype
         # (E, out, in) → (E, in, out): a transposed view; `.to` returns the parameter itself when dtypes agree
         w1, w2, w3 = (w.to(dtype).transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
-        h = _swiglu(torch._grouped_mm(a, w1, offs=offs), torch._grouped_mm(a, w3, offs=offs), self.swiglu_limit, ws)
-        return torch._grouped_mm(h.to(dtype), w2, offs=offs)
+        h = ops.swiglu(torch._grouped_mm(a, w1, offs=offs), torch._grouped_mm(a, w3, offs=offs), self.swiglu_limit,
+                       ws, dtype)
+        return torch._grouped_mm(h, w2, offs=offs)
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -301,7 +314,7 @@ class MoE(nn.Module):
     `config.balance_loss_weight`. Both are None after an eval forward. `moe_impl` picks the dispatch:
     "auto" (grouped_mm wherever the probe finds it working for the device and compute dtype — CPU fp32 /
     bf16 in torch 2.13, CUDA bf16 — and, under torch.compile, only where its meta kernel traces: bf16; else
-    the loop), "loop" or "grouped".
+    the loop), "loop", "grouped" or "dense" (every expert on every token, `GroupedExperts.dense`).
     """
 
     def __init__(self, layer_id: int, config: ModelConfig, moe_impl: MoEImpl = "auto") -> None:
@@ -327,6 +340,10 @@ class MoE(nn.Module):
             image_mask = None  # a text-only model routes every token with `bias`
         img = image_mask.reshape(B * T) if image_mask is not None else None  # (N,)
         weights, indices, scores = self.gate(flat, img)  # (N, k), (N, k), (N, E)
+        if self.moe_impl == "dense":
+            route = torch.zeros_like(scores).scatter_(1, indices, weights)  # (N, E) weight of each chosen expert
+            y = self.experts.dense(flat, route) + self.shared_experts(flat).float()
+            return self._finish(y, x, scores, indices, img, token_mask)
 
         # Sort the N·k (token, slot) pairs by expert: each expert's rows become one contiguous segment.
         # Every shape below depends on N, k, E only, and nothing is read on the host (grouped path).
@@ -341,7 +358,13 @@ class MoE(nn.Module):
         out = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, slot) order
         y = out.float().view(B * T, k, dim).sum(dim=1)  # (N, dim) fp32
         y = y + self.shared_experts(flat).float()
+        return self._finish(y, x, scores, indices, img, token_mask)
 
+    def _finish(self, y: Tensor, x: Tensor, scores: Tensor, indices: Tensor, img: Tensor | None,
+                token_mask: Tensor | None) -> Tensor:
+        """Record the training statistics; y (N, dim) fp32 → x's dtype and shape."""
+        B, T, dim = x.shape
+        k = self.topk
         if self.training:
             valid = token_mask.reshape(B * T) if token_mask is not None else None
             self.last_load = self._loads(indices, img, valid)

@@ -44,15 +44,31 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the model id clients send (default: the checkpoint directory's name, or dsv41-PRESET)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("DSV41_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DSV41_API_KEY, else none)")
+    p.add_argument("--api-key", metavar="KEY", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several tenants, each with its own "
+                        "prefix-cache namespace (default: $DSV41_API_KEY, comma-separated, else none)")
+    p.add_argument("--allowed-hosts", metavar="H,H", default=None,
+                   help="Host headers accepted (DNS-rebinding guard; default: the bound address, localhost, "
+                        "127.0.0.1, ::1; '*' = any)")
+    p.add_argument("--cors-origins", metavar="O,O", default=None,
+                   help="allow browser requests from these origins (CORS; default: off)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM: stop admission, let running streams finish for up to S seconds, then end the "
+                        "rest with an error event (default 30)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="a request body that does not arrive within S seconds gets 408 (default 30)")
+    p.add_argument("--prefix-stride", type=int, default=256, metavar="N",
+                   help="tokens between forced prefix-unit cuts (besides message boundaries and prompt ends)")
+    p.add_argument("--max-concurrent-tokenize", type=int, default=4, metavar="N",
+                   help="tokenizations running at once on the worker threads (default 4)")
     p.add_argument("--prefix-store", type=Path, metavar="DIR", help="persistent prefix cache directory (global KV)")
     p.add_argument("--swa-pool", metavar="URL", help="window-snapshot pool: 'memory' or redis://HOST:PORT/DB "
                                                      "(needs --prefix-store; default with it: memory)")
     p.add_argument("--max-batch", type=int, default=32, help="sequences in the running batch (default 32)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
     p.add_argument("--kv-budget-gib", type=float, default=None,
-                   help="KV memory admitted requests may reserve (default: half the free device memory)")
+                   help="memory of the engine's KV pools, allocated once at start-up (default: half the free "
+                        "device memory, at most what max-batch sequences of the full context need)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="per-request limit in seconds: queued → 503, generating → cut with "
                         "finish_reason 'length' (default 600; 0 = none)")
@@ -80,33 +96,57 @@ def free_memory_bytes(device) -> int:
     return 4 * 2**30
 
 
-def kv_footprint(config) -> tuple[float, int]:
-    """(global KV bytes per token, window bytes per sequence), measured from an empty sequence cache."""
-    from dsv41.engine.cache import SequenceCache
-
-    seq = SequenceCache(config, "cpu")
-    return seq.bytes_per_token(), seq.window_bytes()
-
-
 def build_server(model, tok, *, model_name: str, max_batch: int = 32, max_queue: int = 256,
-                 kv_budget_bytes: int | None = None, timeout_s: float | None = 600.0, api_key: str | None = None,
-                 max_body_bytes: int = 8 * 2**20, prefix_cache=None, prefill_chunk: int = 2048):
-    """(app, scheduler) for a loaded model: what `dsv41 serve`, the tests and the load benchmark run."""
+                 kv_budget_bytes: int | None = None, timeout_s: float | None = 600.0,
+                 api_key: str | list[str] | None = None, max_body_bytes: int = 8 * 2**20, prefix_cache=None,
+                 prefill_chunk: int = 2048, **app_options):
+    """(app, scheduler) for a loaded model: what `dsv41 serve`, the tests and the load benchmark run.
+    `app_options` go to `create_app` (allowed_hosts, cors_origins, body_timeout_s, max_concurrent_tokenize)."""
+    from dsv41.engine.block_manager import BlockManager
     from dsv41.engine.engine import Engine
     from dsv41.server.app import create_app
     from dsv41.server.metrics import ServerMetrics
     from dsv41.server.scheduler import Scheduler
 
-    engine = Engine(model, prefill_chunk=prefill_chunk, max_batch=max_batch, prefix_cache=prefix_cache)
-    per_token, window = kv_footprint(model.config)
+    config = model.config
     if kv_budget_bytes is None:
-        kv_budget_bytes = free_memory_bytes(engine.device) // 2
+        kv_budget_bytes = free_memory_bytes(next(model.parameters()).device) // 2
+    max_tokens = min(BlockManager.tokens_for_budget(config, kv_budget_bytes, max_batch), max_batch * config.max_seq_len)
+    if max_tokens < config.max_seq_len:
+        raise ConfigError(f"a KV budget of {kv_budget_bytes / 2**30:.3f} GiB holds {max_tokens} tokens, less than one "
+                          f"sequence of the model's context ({config.max_seq_len}); raise --kv-budget-gib")
+    engine = Engine(model, prefill_chunk=prefill_chunk, max_batch=max_batch, prefix_cache=prefix_cache,
+                    max_tokens=max_tokens)
     metrics = ServerMetrics()
-    scheduler = Scheduler(engine, max_queue=max_queue, kv_budget_bytes=kv_budget_bytes, bytes_per_token=per_token,
-                          window_bytes=window, timeout_s=timeout_s or None, metrics=metrics)
+    scheduler = Scheduler(engine, max_queue=max_queue, timeout_s=timeout_s or None, metrics=metrics)
     app = create_app(scheduler, tok, model_name=model_name, max_model_len=model.config.max_seq_len,
-                     api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+                     api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics, **app_options)
     return app, scheduler
+
+
+def allowed_hosts_for(bind: str, option: str | None) -> list[str]:
+    """--allowed-hosts, else the bound address plus the loopback names."""
+    if option:
+        return [h.strip() for h in option.split(",") if h.strip()]
+    return sorted({bind, "127.0.0.1", "localhost", "::1"} - {"0.0.0.0", "::"})
+
+
+class DrainingServer:
+    """uvicorn.Server whose first SIGTERM / SIGINT drains the scheduler before uvicorn's own shutdown: admission
+    stops at once, running streams may finish for `shutdown_timeout` s, then the rest end with an error event
+    and [DONE]; uvicorn waits for those connections (a few seconds' margin) before it cancels anything."""
+
+    def __new__(cls, config, scheduler, shutdown_timeout: float):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                if not scheduler.draining:
+                    log.info("signal %s: draining (up to %.0f s)", sig, shutdown_timeout)
+                    scheduler.begin_drain(shutdown_timeout)
+                super().handle_exit(sig, frame)
+
+        return _Server(config)
 
 
 def _is_loopback(host: str) -> bool:
@@ -123,13 +163,18 @@ def run(args: argparse.Namespace) -> int:
 
     from dsv41.engine.cli import load_model_and_tokenizer
 
-    for name in ("max_batch", "max_queue", "max_body_bytes"):
+    keys = args.api_key or [k for k in os.environ.get("DSV41_API_KEY", "").split(",") if k]
+    if any(not k.strip() for k in keys):
+        raise ConfigError("--api-key must not be empty")
+    for name in ("max_batch", "max_queue", "max_body_bytes", "prefix_stride", "max_concurrent_tokenize"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.timeout < 0 or (args.kv_budget_gib is not None and args.kv_budget_gib <= 0):
         raise ConfigError("--timeout must be >= 0 and --kv-budget-gib > 0")
+    if args.shutdown_timeout < 0 or args.body_timeout <= 0:
+        raise ConfigError("--shutdown-timeout must be >= 0 and --body-timeout > 0")
     if args.swa_pool and not args.prefix_store:
         raise ConfigError("--swa-pool needs --prefix-store (window snapshots extend persisted prefixes)")
     if args.preset is None and args.checkpoint is None:
@@ -151,23 +196,35 @@ def run(args: argparse.Namespace) -> int:
     prefix_cache = None
     if args.prefix_store:
         from dsv41.engine.prefix import PrefixCache
-        from dsv41.engine.prefix_store import PersistentStore, make_swa_pool
+        from dsv41.engine.prefix_store import BackgroundWriter, PersistentStore, make_swa_pool
 
         try:
             pool = make_swa_pool(args.swa_pool)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        prefix_cache = PrefixCache(model.config, PersistentStore(args.prefix_store), pool)
+        # keyed by the weights' fingerprint; unit and snapshot writes (fsync, Redis) off the engine thread
+        prefix_cache = PrefixCache.for_model(model, tok, PersistentStore(args.prefix_store), pool,
+                                             stride=args.prefix_stride, writer=BackgroundWriter())
     name = args.served_model_name or (args.checkpoint.resolve().name if args.checkpoint else f"dsv41-{args.preset}")
     budget = int(args.kv_budget_gib * 2**30) if args.kv_budget_gib else None
+    cors = [o.strip() for o in args.cors_origins.split(",") if o.strip()] if args.cors_origins else None
     app, scheduler = build_server(model, tok, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
-                                  kv_budget_bytes=budget, timeout_s=args.timeout, api_key=args.api_key,
+                                  kv_budget_bytes=budget, timeout_s=args.timeout, api_key=keys or None,
                                   max_body_bytes=args.max_body_bytes, prefix_cache=prefix_cache,
-                                  prefill_chunk=args.prefill_chunk)
+                                  prefill_chunk=args.prefill_chunk,
+                                  allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
+                                  cors_origins=cors, body_timeout_s=args.body_timeout,
+                                  max_concurrent_tokenize=args.max_concurrent_tokenize)
     if not _is_loopback(args.host):
-        log.warning("binding %s: reachable beyond this machine%s", args.host,
-                    "" if args.api_key else " and WITHOUT an API key")
-    log.info("serving '%s' on http://%s:%d/v1 (max batch %d, queue %d, KV budget %.2f GiB)", name, args.host,
-             args.port, args.max_batch, args.max_queue, scheduler.budget.capacity / 2**30)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        log.warning("binding %s: reachable beyond this machine%s%s", args.host,
+                    "" if keys else " and WITHOUT an API key",
+                    "" if args.allowed_hosts else "; only Host headers naming loopback or the bound address are "
+                                                  "accepted: pass --allowed-hosts with the names clients use")
+    log.info("serving '%s' on http://%s:%d/v1 (max batch %d, queue %d, KV pools %.3f GiB)", name, args.host,
+             args.port, args.max_batch, args.max_queue, scheduler.kv_capacity_bytes / 2**30)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    DrainingServer(config, scheduler, args.shutdown_timeout).run()
+    if prefix_cache is not None and prefix_cache.store is not None:
+        prefix_cache.store.close()
     return 0

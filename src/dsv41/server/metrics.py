@@ -169,16 +169,17 @@ class ServerMetrics:
         self.waiting = r.add(Gauge("dsv41_requests_waiting", "Requests queued, not yet admitted."))
         self.kv_used = r.add(Gauge("dsv41_kv_cache_used_bytes",
                                    "KV bytes held by running sequences (global KV rows + window rings)."))
-        self.kv_reserved = r.add(Gauge("dsv41_kv_cache_reserved_bytes",
-                                       "KV bytes reserved by admitted requests (admission estimates)."))
-        self.kv_budget = r.add(Gauge("dsv41_kv_cache_budget_bytes", "The admission budget for KV bytes."))
+        self.kv_capacity = r.add(Gauge("dsv41_kv_cache_capacity_bytes",
+                                       "Bytes of the engine's fixed KV pools (allocated once at start-up)."))
+        self.preemptions = r.add(Gauge("dsv41_preemptions", "Sequences swapped to the host when pages ran out."))
 
     def bind(self, scheduler) -> None:
         self.running.fn = lambda: len(scheduler.engine.running)
         self.waiting.fn = lambda: scheduler.counts()["waiting"]
         self.kv_used.fn = lambda: scheduler.kv_used_bytes
-        self.kv_reserved.fn = lambda: scheduler.budget.reserved
-        self.kv_budget.fn = lambda: scheduler.budget.capacity
+        self.kv_capacity.fn = lambda: scheduler.kv_capacity_bytes
+        stats = getattr(scheduler.engine, "stats", None)
+        self.preemptions.fn = lambda: stats.preemptions if stats is not None else 0
 
     def render(self) -> str:
         return self.registry.render()

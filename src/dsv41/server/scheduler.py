@@ -6,21 +6,29 @@ The engine thread loops:
 
     apply cancellations → expire deadlines → admit from the queue → engine.step() → deliver events
 
-Admission policy (`KVBudget`, FIFO):
-  * a request reserves `(prompt + max_tokens) × bytes_per_token + window_bytes` of KV memory — the
-    most its cache can grow to (global KV rows per token, plus the fixed sliding-window rings);
-  * the queue head is admitted while the reservation fits the budget and the batch has room; a head
-    that does not fit waits (no overtaking, so long requests are not starved), and one that could
-    never fit is refused at `submit`;
-  * at most `prefill_tokens_per_step` prompt tokens are admitted per step (at least one request), so
-    a burst of long prompts cannot stall the running batch's next token for long;
+This is only the thread / queue adapter: memory, batching and prefill pacing are the engine's own
+(`engine/scheduler.py`: fixed pools, a token budget per step with chunked prefill, preemption when
+pages run out). Here:
+  * requests are handed to the engine in FIFO order while the engine holds fewer than `max_batch`
+    (running + its own waiting), so a queued request's deadline and cancellation stay here;
+  * a prompt that can never fit the context is refused at `submit` (`TooLarge`, HTTP 400);
   * the waiting queue is bounded: `submit` raises `QueueFull` beyond `max_queue` (HTTP 429).
 
-A cancelled request (client gone, stop string matched) is removed from the engine's running list
-between steps, and its reservation is released. A request past its deadline is cut: still queued →
-`Failure(503, "timeout")`; already generating → `Finish("length")` with the tokens produced so far.
+A cancelled request (client gone, stop string matched) is aborted in the engine between steps (its
+pages go back at once). A request past its deadline is cut: still queued → `Failure(503, "timeout")`;
+already generating → `Finish("length")` with the tokens produced so far.
 
-Policy only: no torch here. The engine is used through `add_request`, `step`, `abort`, `running`, `waiting`.
+Isolation: a request that fails alone (the engine's `StepOutput.error`, or `add_request` refusing it) gets
+its own `Failure` and the batch goes on; only an exception out of `engine.step()` itself fails the requests
+of that batch (the engine's state for them is unknown), and the scheduler keeps serving.
+
+Draining (graceful shutdown, `begin_drain`): new submissions are refused (`ShuttingDown`, HTTP 503), running
+and queued requests go on until the drain deadline, then each remaining one gets `Failure(503, "shutdown")`.
+
+Prefix-cache namespaces (cache salt, API key) go to the engine with each request (`add_request(namespace=)`).
+
+Policy only: no torch here. The engine is used through `add_request`, `step`, `abort`, `running`, `waiting`,
+`has_work` and `prefix_cache`.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class Token:
     token: int
+    logprob: float | None = None  # log-softmax of the unmodified logits (SamplingParams.logprobs set)
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass(slots=True)
@@ -73,6 +83,10 @@ class TooLarge(Exception):
     pass
 
 
+class ShuttingDown(Exception):
+    pass
+
+
 @dataclass(eq=False)
 class Ticket:
     """One request's life in the scheduler (handler side reads only `done`)."""
@@ -81,9 +95,9 @@ class Ticket:
     prompt: list[int]
     params: SamplingParams
     deliver: Callable[[Event], None]
-    kv_bytes: int  # reservation against the KV budget
     arrival: float
     deadline: float | None
+    namespace: str | None = None  # prefix-cache namespace (tenant)
     request: Any = None  # the engine's Request once admitted
     done: bool = False
     n_emitted: int = 0
@@ -91,44 +105,15 @@ class Ticket:
     extra: dict = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------------- admission policy
-class KVBudget:
-    """Bytes of KV cache promised to admitted requests, against a fixed capacity."""
-
-    def __init__(self, capacity_bytes: int):
-        if capacity_bytes <= 0:
-            raise ValueError(f"KV budget must be > 0 bytes, got {capacity_bytes}")
-        self.capacity = int(capacity_bytes)
-        self.reserved = 0
-
-    def fits(self, n_bytes: int) -> bool:
-        return self.reserved + n_bytes <= self.capacity
-
-    def reserve(self, n_bytes: int) -> None:
-        self.reserved += n_bytes
-
-    def release(self, n_bytes: int) -> None:
-        self.reserved = max(0, self.reserved - n_bytes)
-
-
-def kv_estimate(prompt_tokens: int, max_tokens: int, bytes_per_token: float, window_bytes: int) -> int:
-    """The most KV memory one sequence can hold: its global rows at full length plus its window rings."""
-    return int((prompt_tokens + max_tokens) * bytes_per_token) + int(window_bytes)
-
-
 # ---------------------------------------------------------------------- the engine thread
 class Scheduler:
-    def __init__(self, engine, *, max_queue: int = 256, kv_budget_bytes: int, bytes_per_token: float,
-                 window_bytes: int, timeout_s: float | None = 600.0, prefill_tokens_per_step: int = 8192,
-                 metrics=None):
+    def __init__(self, engine, *, max_queue: int = 256, timeout_s: float | None = 600.0, metrics=None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
         self.max_queue, self.timeout_s = max_queue, timeout_s
         self.max_batch = engine.max_batch
-        self.bytes_per_token, self.window_bytes = bytes_per_token, window_bytes
-        self.prefill_tokens_per_step = prefill_tokens_per_step
-        self.budget = KVBudget(kv_budget_bytes)
+        self.max_seq_len = getattr(engine, "max_seq_len", None)
         self.metrics = metrics
         self._queue: deque[Ticket] = deque()  # submitted, not yet admitted (FIFO)
         self._cancels: deque[Ticket] = deque()
@@ -140,20 +125,23 @@ class Scheduler:
         self.kv_used_bytes = 0  # measured after each step (engine thread writes, anyone reads)
         self.steps = 0
         self.fatal: str | None = None
+        self.draining = False
+        self._drain_deadline: float | None = None
 
     # ------------------------------------------------------------------ handler side (any thread)
-    def submit(self, prompt: list[int], params: SamplingParams, deliver: Callable[[Event], None]) -> Ticket:
-        kv = kv_estimate(len(prompt), params.max_tokens, self.bytes_per_token, self.window_bytes)
-        if kv > self.budget.capacity:
-            raise TooLarge(f"the request needs up to {kv} bytes of KV cache ({len(prompt)} prompt + "
-                           f"{params.max_tokens} max tokens), more than the server's budget of "
-                           f"{self.budget.capacity} bytes; lower max_tokens or shorten the prompt")
+    def submit(self, prompt: list[int], params: SamplingParams, deliver: Callable[[Event], None],
+               namespace: str | None = None) -> Ticket:
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; retry on another instance")
+        if self.max_seq_len is not None and len(prompt) >= self.max_seq_len:
+            raise TooLarge(f"the prompt has {len(prompt)} tokens; this model's context holds {self.max_seq_len} "
+                           f"(prompt and generated tokens together)")
         now = time.perf_counter()
         with self._cond:
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the server's waiting queue is full ({self.max_queue} requests); retry later")
-            ticket = Ticket(next(self._ids), prompt, params, deliver, kv, now,
-                            now + self.timeout_s if self.timeout_s else None)
+            ticket = Ticket(next(self._ids), prompt, params, deliver, now,
+                            now + self.timeout_s if self.timeout_s else None, namespace)
             self._queue.append(ticket)
             self._cond.notify()
         return ticket
@@ -171,8 +159,13 @@ class Scheduler:
         with self._cond:
             queued = len(self._queue)
         return {"running": len(self.engine.running), "waiting": queued + len(self.engine.waiting),
-                "kv_reserved_bytes": self.budget.reserved, "kv_budget_bytes": self.budget.capacity,
-                "kv_used_bytes": self.kv_used_bytes}
+                "kv_used_bytes": self.kv_used_bytes, "kv_capacity_bytes": self.kv_capacity_bytes}
+
+    @property
+    def kv_capacity_bytes(self) -> int:
+        """Bytes of the engine's fixed cache pools (0 for an engine without them)."""
+        pools = getattr(self.engine, "pools", None)
+        return sum(pools.allocated_bytes().values()) if pools is not None else 0
 
     @property
     def alive(self) -> bool:
@@ -183,12 +176,29 @@ class Scheduler:
             self._thread = threading.Thread(target=self._run, name="dsv41-engine", daemon=True)
             self._thread.start()
 
+    def begin_drain(self, timeout_s: float) -> None:
+        """Stop admission now; requests still unfinished after `timeout_s` end with a shutdown failure."""
+        with self._cond:
+            if not self.draining:
+                self.draining = True
+                self._drain_deadline = time.perf_counter() + max(0.0, timeout_s)
+                log.info("draining: %d running, %d queued; the rest end in %.0f s", len(self._active),
+                         len(self._queue), timeout_s)
+            self._cond.notify()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not (self._queue or self._active)
+
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        cache = getattr(self.engine, "prefix_cache", None)
+        if cache is not None and hasattr(cache, "flush"):  # let queued cache writes land (bounded)
+            cache.flush(timeout)
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -200,6 +210,10 @@ class Scheduler:
                         self._expire(time.perf_counter())
                     if self._stop:
                         break
+                    if self._drain_deadline is not None and time.perf_counter() >= self._drain_deadline:
+                        self._drain_deadline = None
+                        self._fail_all(Failure(503, "the server is shutting down; the request was ended before it "
+                                                    "finished", code="shutdown"), lock_held=True)
                     cancels = list(self._cancels)
                     self._cancels.clear()
                 for ticket in cancels:
@@ -220,6 +234,8 @@ class Scheduler:
 
     def _idle_wait(self) -> float:
         deadlines = [t.deadline for t in self._queue if t.deadline is not None]
+        if self._drain_deadline is not None:
+            deadlines.append(self._drain_deadline)
         return max(0.0, min(deadlines) - time.perf_counter()) + 1e-3 if deadlines else 1.0
 
     def _expire(self, now: float) -> None:
@@ -233,24 +249,23 @@ class Scheduler:
             self._close(ticket, self._finish_event(ticket.request, "length"), "timeout")
 
     def _admit(self) -> None:
-        """(lock held) FIFO admission by KV budget, batch room and the per-step prefill allowance."""
-        prefill_tokens = 0
+        """(lock held) Hand the queue head to the engine, FIFO, while the engine holds fewer than max_batch."""
         while self._queue:
             head = self._queue[0]
-            in_engine = len(self.engine.running) + len(self.engine.waiting)
-            if in_engine >= self.max_batch or not self.budget.fits(head.kv_bytes):
-                break
-            if prefill_tokens and prefill_tokens + len(head.prompt) > self.prefill_tokens_per_step:
+            if len(self.engine.running) + len(self.engine.waiting) >= self.max_batch:
                 break
             self._queue.popleft()
             try:
-                head.request = self.engine.add_request(head.prompt, head.params)
+                head.request = self.engine.add_request(head.prompt, head.params, namespace=head.namespace)
             except ValueError as e:  # validated upstream; a mismatch is still the client's input
                 self._close(head, Failure(400, str(e), "invalid_request_error"), "error")
                 continue
-            self.budget.reserve(head.kv_bytes)
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                log.exception("add_request failed for one request")
+                self._close(head, Failure(500, f"internal error while admitting the request: {type(e).__name__}"),
+                            "error")
+                continue
             self._active[head.request.id] = head
-            prefill_tokens += len(head.prompt)
 
     def _step(self) -> None:
         try:
@@ -286,12 +301,18 @@ class Scheduler:
                 else:
                     m.itl.observe(now - ticket.last_token_at)
             ticket.last_token_at = now
+            error = getattr(out, "error", None)
+            if error:  # this request failed alone (the engine isolated it); the others go on
+                log.warning("request %s failed inside the engine: %s", ticket.id, error)
+                self._remove_from_engine(ticket)
+                self._close(ticket, Failure(500, f"internal error while generating: {error}"), "error")
+                continue
             if out.token is not None and not ticket.done:
-                ticket.deliver(Token(out.token))
+                ticket.deliver(Token(out.token, getattr(out, "logprob", None), getattr(out, "top_logprobs", None)))
             if out.finished:
                 self._close(ticket, self._finish_event(req, req.finish_reason or "length"), req.finish_reason)
         self.kv_used_bytes = sum(r.cache.global_kv_bytes() + r.cache.window_bytes()
-                                 for r in self.engine.running if r.cache is not None)
+                                 for r in self.engine.running if r.cache is not None and not r.cache.released)
 
     # ------------------------------------------------------------------ bookkeeping
     @staticmethod
@@ -306,7 +327,7 @@ class Scheduler:
         self.engine.abort(req)
 
     def _drop(self, ticket: Ticket, reason: str) -> None:
-        """A cancelled ticket: out of the queue or the engine, reservation released, nothing delivered."""
+        """A cancelled ticket: out of the queue or the engine (pages freed), nothing delivered."""
         with self._cond:
             if ticket in self._queue:
                 self._queue.remove(ticket)
@@ -320,16 +341,20 @@ class Scheduler:
         self._release(ticket, reason)
 
     def _release(self, ticket: Ticket, reason: str | None) -> None:
-        if ticket.request is not None and self._active.pop(ticket.request.id, None) is not None:
-            self.budget.release(ticket.kv_bytes)
+        if ticket.request is not None:
+            self._active.pop(ticket.request.id, None)
         if self.metrics is not None and not ticket.extra.get("counted"):
             ticket.extra["counted"] = True
             self.metrics.finished.inc(reason=reason or "unknown")
 
-    def _fail_all(self, failure: Failure) -> None:
-        with self._cond:
+    def _fail_all(self, failure: Failure, lock_held: bool = False) -> None:
+        if lock_held:
             pending = list(self._queue) + list(self._active.values())
             self._queue.clear()
+        else:
+            with self._cond:
+                pending = list(self._queue) + list(self._active.values())
+                self._queue.clear()
         for ticket in pending:
             self._remove_from_engine(ticket)
             self._close(ticket, failure, "error")

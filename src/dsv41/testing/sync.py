@@ -158,6 +158,6 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[str(func.overloadpacket)] += 1
-        if not func.is_view and func not in _NO_KERNEL:
+        if not getattr(func, "is_view", False) and func not in _NO_KERNEL:
             self.kernels += 1
         return func(*args, **(kwargs or {}))

@@ -13,6 +13,13 @@ Chat format (`apply_chat_template`), turns concatenated without separators:
     <bos><|system|>{system}<|end|><|user|>{user}<|end|><|assistant|><think>{reasoning}</think>{reply}<|end|>
     ...<|user|>{last user}<|end|><|system|>Reasoning Effort: {b} (range 1–100; ...)<|end|><|assistant|>
 
+Tool calling (issue 17) uses three of the reserved ids, so no id moves: <|reserved_0|> opens a tool call,
+<|reserved_1|> closes it, <|reserved_2|> is the `tool` role. A request's tools are a system turn right after
+<bos> (stable across turns, so it stays in the cached prefix); an assistant turn's calls follow its text:
+
+    <|system|># Tools ... {one JSON line per tool}<|end|>...
+    <|assistant|>{content}<|reserved_0|>{name}\n{arguments JSON}<|reserved_1|>...<|end|><|reserved_2|>{result}<|end|>
+
 The reasoning-effort line (SPEC §8) is a system turn placed immediately before the assistant turn it
 governs, not inside the leading system prompt: changing the effort then changes only the tokens after
 the last user message, and the cached prefix of the conversation (SPEC §6) still hits. A history
@@ -25,6 +32,7 @@ text is the same after NFKC/NFD/strip-accents/lowercase/space-collapsing share o
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -41,8 +49,13 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 )
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2  # fixed: the model's Engram pad id is 2
 
+TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_ROLE = RESERVED[0], RESERVED[1], RESERVED[2]
+TOOL_MARKERS = (TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_ROLE)
+TOOLS_HEADER = ("# Tools\nYou may call the functions below. A call is the function's name, a newline and its "
+                "arguments as one JSON object, between the tool-call markers.\n")
+
 EFFORT_LINE = "Reasoning Effort: {b} (range 1–100; higher values request more thorough reasoning)"
-ROLE_TOKENS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
+ROLE_TOKENS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL_ROLE}
 
 DATA_DIR = Path(__file__).resolve().parents[3] / "data"
 DEFAULT_TOKENIZER = DATA_DIR / "tokenizer.json"
@@ -136,12 +149,18 @@ class Tok:
         return self.tokenizer.id_to_token(i)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    reasoning_effort: int | None = None) -> list[int]:
+                    reasoning_effort: int | None = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids of `apply_chat_template(...)`: the template's markers become control tokens,
-        message text is encoded literally (a user typing "<|end|>" gets those characters)."""
+        message text is encoded literally (a user typing "<|end|>" gets those characters). All pieces
+        go through one batch call of each encoder, which releases the GIL (safe off the event loop)."""
+        segments = chat_segments(messages, add_generation_prompt, reasoning_effort, tools)
+        literal = [t for t, control in segments if not control]
+        control = [t for t, c in segments if c]
+        lit = iter(self._literal.encode_batch_fast(literal, add_special_tokens=False)) if literal else iter(())
+        ctl = iter(self.tokenizer.encode_batch_fast(control, add_special_tokens=False)) if control else iter(())
         ids: list[int] = []
-        for text, control in chat_segments(messages, add_generation_prompt, reasoning_effort):
-            ids += self.encode(text, allow_special=control)
+        for _, is_control in segments:
+            ids += next(ctl if is_control else lit).ids
         return ids
 
     def save(self, path: str | Path) -> None:
@@ -158,11 +177,29 @@ def effort_turn(b: int) -> str:
     return SYSTEM + EFFORT_LINE.format(b=b) + END_TURN
 
 
+def tools_text(tools: list[dict]) -> str:
+    """The tools system turn's text: a header and one JSON line per function (name, description, parameters)."""
+    lines = []
+    for t in tools:
+        fn = t.get("function", t)
+        lines.append(json.dumps({k: fn[k] for k in ("name", "description", "parameters") if fn.get(k) is not None},
+                                ensure_ascii=False, sort_keys=True, separators=(",", ":")))
+    return TOOLS_HEADER + "\n".join(lines)
+
+
+def tool_call_text(call: dict) -> str:
+    """One call inside its markers: name, newline, the arguments string as the client sent it back."""
+    fn = call.get("function", call)
+    return f"{fn['name']}\n{fn.get('arguments') or '{}'}"
+
+
 def chat_segments(messages: list[dict], add_generation_prompt: bool = True,
-                  reasoning_effort: int | None = None) -> list[tuple[str, bool]]:
+                  reasoning_effort: int | None = None, tools: list[dict] | None = None) -> list[tuple[str, bool]]:
     """The chat template as (text, is_control) pieces: markers and effort lines are control text,
     message contents are user text. Concatenated, they are `apply_chat_template`'s string."""
     out: list[tuple[str, bool]] = [(BOS, True)]
+    if tools:
+        out += [(SYSTEM, True), (tools_text(tools), False), (END_TURN, True)]
     for m in messages:
         role, content = m["role"], m.get("content") or ""
         if role not in ROLE_TOKENS:
@@ -176,7 +213,10 @@ def chat_segments(messages: list[dict], add_generation_prompt: bool = True,
                 out += [(THINK, True), (thinking, False), (END_THINK, True)]
         else:
             out.append((ROLE_TOKENS[role], True))
-        out += [(content, False), (END_TURN, True)]
+        out.append((content, False))
+        for call in (m.get("tool_calls") or []) if role == "assistant" else []:
+            out += [(TOOL_CALL_BEGIN, True), (tool_call_text(call), False), (TOOL_CALL_END, True)]
+        out.append((END_TURN, True))
     if add_generation_prompt:
         if reasoning_effort is not None:
             out.append((effort_turn(reasoning_effort), True))
@@ -184,11 +224,20 @@ def chat_segments(messages: list[dict], add_generation_prompt: bool = True,
     return [(text, control) for text, control in out if text]
 
 
+def chat_boundary_ids(tok: Tok | None = None) -> tuple[int, ...]:
+    """Token ids the prefix cache cuts units around: the end-of-turn marker and the role markers. A unit then
+    ends after every message (so the history before the reasoning-effort line is one) and after the
+    generation prompt's <|assistant|>; `tok` is accepted for symmetry (the ids are fixed)."""
+    ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    return tuple(ids[t] for t in (END_TURN, SYSTEM, USER, ASSISTANT, *TOOL_MARKERS))
+
+
 def apply_chat_template(messages: list[dict], add_generation_prompt: bool = True,
-                        reasoning_effort: int | None = None) -> str:
-    """Render messages ({"role": system|user|assistant, "content": str, optional "reasoning_content"
-    and, for assistant turns, "reasoning_effort"}) to the string format in the module docstring."""
-    return "".join(text for text, _ in chat_segments(messages, add_generation_prompt, reasoning_effort))
+                        reasoning_effort: int | None = None, tools: list[dict] | None = None) -> str:
+    """Render messages ({"role": system|user|assistant|tool, "content": str, optional "reasoning_content"
+    and, for assistant turns, "reasoning_effort" and "tool_calls"}) to the string format in the module
+    docstring."""
+    return "".join(text for text, _ in chat_segments(messages, add_generation_prompt, reasoning_effort, tools))
 
 
 # ---------------------------------------------------------------------------------------------

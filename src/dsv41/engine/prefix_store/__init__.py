@@ -7,10 +7,14 @@ is the in-process or Redis window pool.
 
 from dsv41.engine.prefix_store.hashing import (
     PrefixHit,
+    anchor_keys,
+    anchor_position,
     chain_hashes,
     compression_lcm,
+    cut_points,
     longest_hit,
     model_salt,
+    namespace_salt,
     unit_boundaries,
 )
 from dsv41.engine.prefix_store.persistent import (
@@ -21,9 +25,11 @@ from dsv41.engine.prefix_store.persistent import (
     encode_unit,
 )
 from dsv41.engine.prefix_store.swa_pool import InProcessSWAPool, RedisSWAPool, SWAPool, make_swa_pool
+from dsv41.engine.prefix_store.writer import BackgroundWriter
 
 __all__ = [
-    "CorruptBlob", "InProcessSWAPool", "PersistentStore", "PrefixHit", "RedisSWAPool", "SWAPool", "chain_hashes",
-    "compression_lcm", "decode_unit", "default_cache_root", "encode_unit", "longest_hit", "make_swa_pool",
-    "model_salt", "unit_boundaries",
+    "BackgroundWriter", "CorruptBlob", "InProcessSWAPool", "PersistentStore", "PrefixHit", "RedisSWAPool", "SWAPool",
+    "anchor_keys", "anchor_position", "chain_hashes", "compression_lcm", "cut_points", "decode_unit",
+    "default_cache_root", "encode_unit", "longest_hit", "make_swa_pool", "model_salt", "namespace_salt",
+    "unit_boundaries",
 ]

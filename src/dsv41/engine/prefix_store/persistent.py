@@ -3,7 +3,7 @@
 A prefix unit is the packed global KV (FP4 main entries + FP4 index keys) of every kv-source layer for one
 token prefix; this module only sees named tensors + a small JSON `meta` under a hex key. Layout under `root`:
 
-    index.sqlite                  units(hash, n_tokens, nbytes, checksum, created, last_access, meta), WAL mode
+    index.sqlite                  units(hash, n_tokens, nbytes, checksum, created, last_access, meta, parent), WAL
     blobs/<hash[:2]>/<hash>.bin   one blob per unit (format below)
 
 Durability order of `put`: temp file in the blob's directory → fsync → (SQLite write lock) rename → fsync dir →
@@ -17,7 +17,12 @@ Lifetime: an entry lives `ttl_s` (default 72 h) after its *last access*, not aft
 system prompt never expires while in use (the report's "≥ 72 h life"). A hit refreshes last access at most once
 per `touch_interval_s` (default 60 s): each refresh is a write transaction, and a minute is plenty of resolution
 for LRU and TTL on this scale. When the blob bytes would exceed
-`capacity_bytes` the least recently used entries are evicted before the insert. Capacity counts blob bytes only.
+`capacity_bytes` the least recently used *leaves* are evicted before the insert. Capacity counts blob bytes only.
+
+Parents: a unit is a delta over its parent unit (`parent` column, indexed), useless without it. So a unit is
+only stored while its parent is (`put` refuses an orphan), eviction takes leaves first (a parent goes only once
+its children have), and whatever removes a unit otherwise — expiry, a corrupt blob, `delete`, a row whose blob is
+gone at open — removes its descendants with it, in the same transaction. No unit ever outlives its parent.
 
 Blob format (version 1), little-endian:
     0   8  magic b"DSV41PU\\0"
@@ -36,6 +41,7 @@ forget the last few commits (synchronous=NORMAL); their blobs then become orphan
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -163,7 +169,7 @@ def decode_unit(buf: bytes | bytearray, expected_checksum: str | None = None) ->
 _KEY_RE = re.compile(r"^[0-9a-f]{8,128}$")
 TEMP_FILE_RE = re.compile(r"^\.tmp-(\d+)-[0-9a-f]+\.bin$")
 _STALE_TMP_S = 3600.0  # temp files of live pids older than this are also removed (pid reuse, other hosts)
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2  # 2: the parent and anchor columns
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS units (
     hash TEXT PRIMARY KEY,
@@ -172,10 +178,17 @@ CREATE TABLE IF NOT EXISTS units (
     checksum TEXT NOT NULL,
     created REAL NOT NULL,
     last_access REAL NOT NULL,
-    meta TEXT NOT NULL
+    meta TEXT NOT NULL,
+    parent TEXT,
+    anchor TEXT
 );
 CREATE INDEX IF NOT EXISTS units_last_access ON units(last_access);
 CREATE INDEX IF NOT EXISTS units_n_tokens ON units(n_tokens);
+CREATE INDEX IF NOT EXISTS units_parent ON units(parent);
+CREATE INDEX IF NOT EXISTS units_anchor ON units(anchor, n_tokens);
+"""
+_DESCENDANTS = """
+WITH RECURSIVE d(h) AS (SELECT ? UNION SELECT u.hash FROM units u JOIN d ON u.parent = d.h) SELECT h FROM d
 """
 
 
@@ -228,7 +241,8 @@ class PersistentStore:
         self._lock = threading.RLock()
         self._warned: set[str] = set()  # keys / error kinds already logged at WARNING
         self._counters = dict(hits=0, misses=0, evictions=0, expired=0, bytes_written=0, bytes_read=0,
-                              corrupt_dropped=0, write_errors=0, orphans_removed=0, temp_removed=0)
+                              corrupt_dropped=0, write_errors=0, orphans_removed=0, temp_removed=0,
+                              orphans_refused=0, descendants_dropped=0)
         self._db = sqlite3.connect(self.root / "index.sqlite", timeout=busy_timeout_s, isolation_level=None,
                                    check_same_thread=False)
         self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
@@ -241,10 +255,16 @@ class PersistentStore:
 
     # ---- public API ------------------------------------------------------------------------------------
 
-    def put(self, key: bytes | str, tensors: dict[str, Tensor], meta: dict, *, n_tokens: int | None = None) -> bool:
-        """Store a unit; False (logged once per error kind) when it could not be written. Same key = same prefix
-        under the same salt, so a valid existing entry is only touched, not rewritten."""
+    def put(self, key: bytes | str, tensors: dict[str, Tensor], meta: dict, *, n_tokens: int | None = None,
+            parent: bytes | str | None = None) -> bool:
+        """Store a unit; False (logged once per error kind) when it could not be written, or when `parent` (the
+        unit it extends; default: meta["parent"]) is not stored. Same key = same prefix under the same salt, so a
+        valid existing entry is only touched, not rewritten."""
         key = normalize_key(key)
+        parent = meta.get("parent") if parent is None else parent
+        parent = None if parent is None else normalize_key(parent)
+        anchor = meta.get("anchor")
+        anchor = None if anchor is None else normalize_key(anchor)
         n_tokens = int(meta.get("n_tokens", 0) if n_tokens is None else n_tokens)
         meta_text = json.dumps(meta, separators=(",", ":"))
         parts, checksum = encode_unit_parts(tensors, meta)
@@ -258,26 +278,24 @@ class PersistentStore:
         try:
             self._mkdir_blob_parent(final.parent)
             self._write_file(tmp, parts)
-            with self._lock:
-                self._begin()
-                try:
-                    row = self._db.execute("SELECT checksum, nbytes FROM units WHERE hash=?", (key,)).fetchone()
-                    if row is not None and row[0] == checksum and _file_size(final) == row[1]:
-                        self._db.execute("UPDATE units SET last_access=? WHERE hash=?", (self.clock(), key))
-                        self._db.execute("COMMIT")
-                        tmp.unlink(missing_ok=True)
-                        return True
-                    self._purge_expired_locked()
-                    self._evict_locked(nbytes, exclude=key)
-                    os.replace(tmp, final)
-                    _fsync_dir(final.parent)
-                    now = self.clock()
-                    self._db.execute("INSERT OR REPLACE INTO units VALUES (?,?,?,?,?,?,?)",
-                                     (key, n_tokens, nbytes, checksum, now, now, meta_text))
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    self._rollback()
-                    raise
+            with self._lock, self._write_txn():
+                row = self._db.execute("SELECT checksum, nbytes FROM units WHERE hash=?", (key,)).fetchone()
+                if row is not None and row[0] == checksum and _file_size(final) == row[1]:
+                    self._db.execute("UPDATE units SET last_access=? WHERE hash=?", (self.clock(), key))
+                    tmp.unlink(missing_ok=True)
+                    return True
+                self._purge_expired_locked()
+                if parent is not None and self._db.execute("SELECT 1 FROM units WHERE hash=?",
+                                                           (parent,)).fetchone() is None:
+                    tmp.unlink(missing_ok=True)
+                    self._counters["orphans_refused"] += 1
+                    return False  # its parent was evicted or never written: the unit would be unusable
+                self._evict_locked(nbytes, exclude={key, parent})
+                os.replace(tmp, final)
+                _fsync_dir(final.parent)
+                now = self.clock()
+                self._db.execute("INSERT OR REPLACE INTO units VALUES (?,?,?,?,?,?,?,?,?)",
+                                 (key, n_tokens, nbytes, checksum, now, now, meta_text, parent, anchor))
                 self._counters["bytes_written"] += nbytes
             return True
         except (OSError, sqlite3.Error) as exc:
@@ -351,34 +369,52 @@ class PersistentStore:
                                     (self.clock() - self.ttl_s,)).fetchall()
         return [r[0] for r in rows]
 
+    def lengths_under(self, anchors: Iterable[bytes | str]) -> set[int]:
+        """Prefix lengths of live units filed under any of `anchors` (meta["anchor"]): indexed, no scan."""
+        anchors = [normalize_key(a) for a in anchors]
+        found: set[int] = set()
+        with self._lock:
+            oldest = self.clock() - self.ttl_s
+            for i in range(0, len(anchors), 500):
+                chunk = anchors[i:i + 500]
+                rows = self._db.execute(f"SELECT DISTINCT n_tokens FROM units WHERE anchor IN "
+                                        f"({','.join('?' * len(chunk))}) AND last_access >= ?",
+                                        (*chunk, oldest)).fetchall()
+                found.update(r[0] for r in rows)
+        return found
+
     def keys(self) -> list[str]:
         with self._lock:
             return [r[0] for r in self._db.execute("SELECT hash FROM units ORDER BY last_access").fetchall()]
 
     def delete(self, key: bytes | str) -> bool:
+        """Remove a unit and every unit that extends it (they would be unusable)."""
         key = normalize_key(key)
-        with self._lock:
-            self._begin()
-            try:
-                removed = self._db.execute("DELETE FROM units WHERE hash=?", (key,)).rowcount > 0
-                self._blob_path(key).unlink(missing_ok=True)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
-        return removed
+        with self._lock, self._write_txn():
+            return self._remove_tree_locked(key) > 0
 
     def purge_expired(self) -> int:
-        """Drop entries whose last access is older than the TTL; returns how many."""
+        """Drop entries whose last access is older than the TTL (and their descendants); returns how many."""
+        with self._lock, self._write_txn():
+            return self._purge_expired_locked()
+
+    def touch(self, keys: Iterable[bytes | str]) -> None:
+        """Refresh the last access of `keys` (units served from a memory tier), at most once per touch interval."""
+        keys = [normalize_key(k) for k in keys]
+        now = self.clock()
+        try:
+            with self._lock:
+                for i in range(0, len(keys), 500):
+                    chunk = keys[i:i + 500]
+                    self._db.execute(f"UPDATE units SET last_access=? WHERE last_access < ? AND hash IN "
+                                     f"({','.join('?' * len(chunk))})", (now, now - self.touch_interval_s, *chunk))
+        except sqlite3.Error as exc:
+            self._warn_once("touch", "prefix store could not refresh last access (%s)", exc)
+
+    def parents(self) -> dict[str, str | None]:
+        """hash → parent hash of every indexed unit (for checks and tests)."""
         with self._lock:
-            self._begin()
-            try:
-                n = self._purge_expired_locked()
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
-        return n
+            return dict(self._db.execute("SELECT hash, parent FROM units").fetchall())
 
     def verify_all(self) -> int:
         """Read and checksum every blob; drop the bad ones. Returns how many were dropped."""
@@ -416,6 +452,28 @@ class PersistentStore:
     def _begin(self) -> None:
         self._db.execute("BEGIN IMMEDIATE")  # takes the cross-process write lock (waits up to busy_timeout)
 
+    @contextlib.contextmanager
+    def _write_txn(self):
+        """BEGIN IMMEDIATE … COMMIT, rolled back on any exception (the caller holds self._lock)."""
+        self._begin()
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
+    def _remove_tree_locked(self, key: str) -> int:
+        """(in a write transaction) Delete `key` and all its descendants, rows and blobs; returns how many."""
+        tree = [r[0] for r in self._db.execute(_DESCENDANTS, (key,)).fetchall()]
+        removed = 0
+        for k in tree:
+            if self._db.execute("DELETE FROM units WHERE hash=?", (k,)).rowcount:
+                removed += 1
+            self._blob_path(k).unlink(missing_ok=True)
+        self._counters["descendants_dropped"] += max(0, removed - 1)
+        return removed
+
     def _rollback(self) -> None:
         try:
             self._db.execute("ROLLBACK")
@@ -440,8 +498,7 @@ class PersistentStore:
 
     def _clean_at_open(self) -> None:
         """Under the write lock: remove dead writers' temp files, blobs without rows, rows without (whole) blobs."""
-        self._begin()
-        try:
+        with self._write_txn():
             rows = {k: n for k, n in self._db.execute("SELECT hash, nbytes FROM units")}
             seen: set[str] = set()
             now = time.time()
@@ -463,13 +520,14 @@ class PersistentStore:
                     self._counters["orphans_removed"] += 1
             bad = [k for k, n in rows.items() if k not in seen or _file_size(self._blob_path(k)) != n]
             for k in bad:
-                self._db.execute("DELETE FROM units WHERE hash=?", (k,))
-                self._blob_path(k).unlink(missing_ok=True)
-            self._db.execute("COMMIT")
-        except BaseException:
-            self._rollback()
-            raise
-        if bad:
+                self._remove_tree_locked(k)
+            # rows whose parent row is gone (written by an older version, or a crash between two commits)
+            stranded = [k for (k,) in self._db.execute(
+                "SELECT u.hash FROM units u WHERE u.parent IS NOT NULL AND NOT EXISTS "
+                "(SELECT 1 FROM units p WHERE p.hash = u.parent)").fetchall()]
+            for k in stranded:
+                self._remove_tree_locked(k)
+        if bad or stranded:
             self._counters["corrupt_dropped"] += len(bad)
             log.warning("prefix store %s: dropped %d index rows whose blobs are missing or truncated", self.root,
                         len(bad))
@@ -497,41 +555,40 @@ class PersistentStore:
     def _purge_expired_locked(self) -> int:
         rows = self._db.execute("SELECT hash FROM units WHERE last_access < ?",
                                 (self.clock() - self.ttl_s,)).fetchall()
-        for (key,) in rows:
-            self._db.execute("DELETE FROM units WHERE hash=?", (key,))
-            self._blob_path(key).unlink(missing_ok=True)
-        self._counters["expired"] += len(rows)
-        return len(rows)
+        n = 0
+        for (key,) in rows:  # an expired unit takes its descendants along (they cannot be resumed without it)
+            n += self._remove_tree_locked(key)
+        self._counters["expired"] += n
+        return n
 
-    def _evict_locked(self, incoming: int, exclude: str) -> None:
-        total = self._db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM units WHERE hash != ?", (exclude,)).fetchone()[0]
-        if total + incoming <= self.capacity_bytes:
-            return
-        for key, nbytes in self._db.execute("SELECT hash, nbytes FROM units WHERE hash != ? ORDER BY last_access",
-                                            (exclude,)).fetchall():
-            self._db.execute("DELETE FROM units WHERE hash=?", (key,))
-            self._blob_path(key).unlink(missing_ok=True)
-            self._counters["evictions"] += 1
-            total -= nbytes
-            if total + incoming <= self.capacity_bytes:
+    def _evict_locked(self, incoming: int, exclude: set[str | None]) -> None:
+        """LRU eviction among leaves (units no other unit extends) until `incoming` more bytes fit."""
+        total = self._db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM units").fetchone()[0]
+        keep = [k for k in exclude if k is not None]
+        marks = ",".join("?" * len(keep))
+        while total + incoming > self.capacity_bytes:
+            leaves = self._db.execute(
+                f"SELECT hash, nbytes FROM units u WHERE hash NOT IN ({marks}) AND NOT EXISTS "
+                f"(SELECT 1 FROM units c WHERE c.parent = u.hash) ORDER BY last_access LIMIT 64", keep).fetchall()
+            if not leaves:
                 break
+            for key, nbytes in leaves:
+                self._db.execute("DELETE FROM units WHERE hash=?", (key,))
+                self._blob_path(key).unlink(missing_ok=True)
+                self._counters["evictions"] += 1
+                total -= nbytes
+                if total + incoming <= self.capacity_bytes:
+                    break
 
     def _drop(self, key: str, checksum: str, reason: str | None) -> int:
         """Remove `key` if its row still carries `checksum`. A row that changed or vanished meanwhile (another
         thread or process evicted or re-put it) is left alone: that was a benign race, not a bad blob."""
         try:
-            self._begin()
-            try:
+            with self._write_txn():
                 row = self._db.execute("SELECT checksum FROM units WHERE hash=?", (key,)).fetchone()
                 if row is None or row[0] != checksum:
-                    self._db.execute("COMMIT")
                     return 0
-                self._db.execute("DELETE FROM units WHERE hash=?", (key,))
-                self._blob_path(key).unlink(missing_ok=True)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
+                self._remove_tree_locked(key)
         except (OSError, sqlite3.Error) as exc:
             self._warn_once("drop", "prefix store could not drop %s… (%s)", key[:16], exc)
             return 0

@@ -7,8 +7,11 @@ tokens. Two backends behind one protocol:
 - `InProcessSWAPool`: LRU + TTL inside the serving process (default capacity 10% of physical RAM).
 - `RedisSWAPool`: one blob per key, `SET key blob EX ttl`, `GETEX key EX ttl` on a hit, so every engine process
   pointing at the same Redis shares the pool and Redis does the expiry and eviction (configure `maxmemory` and
-  `maxmemory-policy allkeys-lru` on the server). An unreachable Redis turns every operation into a miss, logs one
-  warning per outage and retries the connection at most every `retry_s` seconds.
+  `maxmemory-policy allkeys-lru` on the server). An unreachable or hung Redis turns every operation into a miss
+  at once (a circuit breaker): the first failed call (bounded by a short socket timeout) marks the server down,
+  logs one warning per outage, and from then on callers never touch the network; a background probe pings it
+  every `retry_s` seconds and closes the breaker when it answers. A stalled Redis therefore costs the engine
+  thread at most one socket timeout per outage, and the server goes on through bounded replay.
 
 Values use the prefix store's blob encoding (`encode_unit` / `decode_unit`, checksummed); the entry's TTL rides
 in an 8-byte prefix so a hit refreshes it to the TTL it was stored with. TTLs count from the last access.
@@ -136,12 +139,13 @@ class RedisSWAPool:
     """Shared pool in Redis. Never raises on connection trouble: misses, one warning per outage, timed retry."""
 
     def __init__(self, url: str, *, key_prefix: str = "dsv41:swa:", retry_s: float = 5.0,
-                 socket_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
+                 socket_timeout_s: float = 0.5, clock: Callable[[], float] = time.monotonic, probe: bool = True):
         import redis  # optional dependency: only needed for this backend
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
         self.url, self.key_prefix, self.retry_s, self.clock = url, key_prefix, float(retry_s), clock
+        self.probe = probe  # False: no probe thread; call probe_now() yourself (tests)
         self._redis_error = redis.RedisError
         # one quick retry (a pooled connection gone stale after a server restart), no backoff: an outage must not
         # stall the serving loop
@@ -149,6 +153,8 @@ class RedisSWAPool:
                                             socket_connect_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 1))
         self._lock = threading.Lock()
         self._down_until: float | None = None  # set while the server is considered unreachable
+        self._prober: threading.Thread | None = None
+        self._closed = threading.Event()
         self._counters = dict(hits=0, misses=0, errors=0, corrupt=0, bytes_written=0, bytes_read=0)
 
     def put(self, key: bytes | str, tensors: dict[str, Tensor], meta: dict, ttl_s: float = DEFAULT_TTL_S) -> bool:
@@ -206,10 +212,38 @@ class RedisSWAPool:
             for k, v in delta.items():
                 self._counters[k] += v
 
-    def _call(self, op):
-        """Run op(client); None on any Redis error. Skips the server entirely while it is marked down."""
+    @property
+    def down(self) -> bool:
         with self._lock:
-            if self._down_until is not None and self.clock() < self._down_until:
+            return self._down_until is not None
+
+    def probe_now(self) -> bool:
+        """Ping the server once; closes the breaker when it answers. True when reachable."""
+        try:
+            self._client.ping()
+        except self._redis_error:
+            return False
+        with self._lock:
+            was_down, self._down_until = self._down_until is not None, None
+        if was_down:
+            log.info("SWA pool: Redis at %s reachable again", self.url)
+        return True
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _probe_loop(self) -> None:
+        while not self._closed.wait(self.retry_s):
+            if self.probe_now():
+                break
+        with self._lock:
+            self._prober = None
+
+    def _call(self, op):
+        """Run op(client); None on any Redis error. While the breaker is open (server down) the network is not
+        touched at all: only the background probe talks to the server until it answers."""
+        with self._lock:
+            if self._down_until is not None:
                 self._counters["errors"] += 1
                 return None
         try:
@@ -217,16 +251,15 @@ class RedisSWAPool:
         except self._redis_error as exc:
             with self._lock:
                 first = self._down_until is None
-                self._down_until = self.clock() + self.retry_s
+                self._down_until = self.clock()
                 self._counters["errors"] += 1
+                if self.probe and self._prober is None:
+                    self._prober = threading.Thread(target=self._probe_loop, name="dsv41-redis-probe", daemon=True)
+                    self._prober.start()
             if first:
-                log.warning("SWA pool: Redis at %s unreachable (%s); serving misses, retrying every %.0f s",
+                log.warning("SWA pool: Redis at %s unreachable (%s); serving misses, probing every %.0f s",
                             self.url, exc, self.retry_s)
             return None
-        with self._lock:
-            if self._down_until is not None:
-                log.info("SWA pool: Redis at %s reachable again", self.url)
-            self._down_until = None
         return result
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dsv41.model.rope import apply_rope
-from dsv41.quant.fp4 import INDEX_BLOCK, KV_BLOCK, dequantize_fp4, quantize_fp4
+from dsv41.quant.fp4 import INDEX_BLOCK, KV_BLOCK, dequantize_fp4, fake_quant_fp4, quantize_fp4
 from dsv41.quant.fp8 import WINDOW_BLOCK, dequantize_fp8, quantize_fp8
 
 
@@ -103,3 +103,16 @@ def rope_quantize(x: Tensor, cos: Tensor, sin: Tensor, fmt: str, out_rows: Tenso
     rows = quantize_rows(apply_rope(x, cos, sin), fmt)  # (B, T, row_bytes)
     keep = row_index >= 0
     out_rows[row_index[keep]] = rows[keep]
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """Twin of `ops.rope`: the model's `apply_rope`."""
+    return apply_rope(x, cos, sin, inverse=inverse)
+
+
+def rope_fake_quant(x: Tensor, cos: Tensor, sin: Tensor, fmt: str) -> Tensor:
+    """Twin of `ops.rope_fake_quant`: `apply_rope`, then the FP4 format's fake-quant (straight-through)."""
+    layout = CACHE_LAYOUTS.get(fmt)
+    if layout is None or not layout.fp4:
+        raise ValueError(f"rope_fake_quant: fmt must be 'kv_fp4' or 'index_fp4', got {fmt!r}")
+    return fake_quant_fp4(apply_rope(x, cos, sin), layout.block, "e8m0" if layout.e8m0 else "e4m3")

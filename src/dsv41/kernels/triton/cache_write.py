@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv41.kernels.ref.cache_write import check_args
-from dsv41.kernels.triton.common import e4m3_to_f32, interpreting, runnable
+from dsv41.kernels.ref.cache_write import CACHE_LAYOUTS, check_args
+from dsv41.kernels.triton.common import e4m3_to_f32, fp4_to_f32, interpreting, runnable
 
 _X_FP32, _X_BF16, _X_FP16 = 0, 1, 2
 _X_KIND = {torch.float32: _X_FP32, torch.bfloat16: _X_BF16, torch.float16: _X_FP16}
@@ -122,14 +122,22 @@ def _rope_quantize_kernel(
     PAYLOAD: tl.constexpr,  # payload bytes per row (scales follow)
     FP4: tl.constexpr, E8M0: tl.constexpr, X_KIND: tl.constexpr, HW_E4M3: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    MODE: tl.constexpr = 0,  # 0: packed rows at out[idx]; 1: dequantized values; 2: rotated values (no quant)
+    HEADS: tl.constexpr = 1,  # values modes: x rows t·HEADS + h share the angles of position t
+    INVERSE: tl.constexpr = False,  # rotate by −angle (the output's inverse RoPE)
 ):
     HALF: tl.constexpr = BLOCK // 2
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < n_tokens
     b = (tok // T).to(tl.int64)
     t = (tok % T).to(tl.int64)
-    row = tl.load(idx_ptr + b * si_b + t * si_t, mask=tok_ok, other=-1).to(tl.int64)
-    write = tok_ok & (row >= 0) & (row < n_rows)  # (BT,)
+    if MODE == 0:
+        row = tl.load(idx_ptr + b * si_b + t * si_t, mask=tok_ok, other=-1).to(tl.int64)
+        write = tok_ok & (row >= 0) & (row < n_rows)  # (BT,)
+    else:  # values: one output row per token, in token order
+        row = tok.to(tl.int64)
+        write = tok_ok
+    ta = t // HEADS if HEADS > 1 else t  # the position whose angles rotate this token
 
     nb = tl.arange(0, NB_P)
     blk_ok = nb < N_BLOCKS
@@ -150,16 +158,22 @@ def _rope_quantize_kernel(
         rot = nb[None, :, None] * BLOCK + 2 * tl.arange(0, HALF)[None, None, :] >= ROT_START  # (1, NB, HALF)
     j = nb[None, :, None] * HALF + tl.arange(0, HALF)[None, None, :] - ROT_START // 2  # pair index, < 0: none
     rot_ok = tok_ok[:, None, None] & rot
-    cos = tl.load(cos_ptr + b[:, None, None] * sc_b + t[:, None, None] * sc_t + j * sc_j, mask=rot_ok, other=0.0)
-    sin = tl.load(sin_ptr + b[:, None, None] * ss_b + t[:, None, None] * ss_t + j * ss_j, mask=rot_ok, other=0.0)
+    cos = tl.load(cos_ptr + b[:, None, None] * sc_b + ta[:, None, None] * sc_t + j * sc_j, mask=rot_ok, other=0.0)
+    sin = tl.load(sin_ptr + b[:, None, None] * ss_b + ta[:, None, None] * ss_t + j * ss_j, mask=rot_ok, other=0.0)
+    if INVERSE:
+        sin = -sin
     re = _round_to_x(xe * cos - xo * sin, X_KIND)
     im = _round_to_x(xe * sin + xo * cos, X_KIND)
     ye = tl.where(rot, re, xe)
     yo = tl.where(rot, im, xo)
 
-    amax = tl.maximum(tl.max(tl.abs(ye), axis=2), tl.max(tl.abs(yo), axis=2))  # (BT, NB)
     row_base = out_ptr + row[:, None] * so_m
     store_ok = write[:, None] & blk_ok[None, :]
+    if MODE == 2:  # rotated values, already rounded to x's dtype
+        values = tl.reshape(tl.join(ye, yo), (BLOCK_T, NB_P, BLOCK))
+        tl.store(row_base[:, :, None] + ch * so_c, values.to(out_ptr.dtype.element_ty), mask=store_ok[:, :, None])
+        return
+    amax = tl.maximum(tl.max(tl.abs(ye), axis=2), tl.max(tl.abs(yo), axis=2))  # (BT, NB)
     if FP4:
         if E8M0:  # scale 2^ceil(log2(max(amax, 6·2^-126) / 6))
             scale_byte = _e8m0_byte(tl.math.div_rn(tl.maximum(amax, _E8M0_FP4_AMAX_FLOOR), 6.0))
@@ -173,6 +187,15 @@ def _rope_quantize_kernel(
             so = tl.math.div_rn(yo, scale)
         ce = _fp4_code(tl.minimum(tl.maximum(se, -6.0), 6.0))
         co = _fp4_code(tl.minimum(tl.maximum(so, -6.0), 6.0))
+        if MODE == 1:  # dequantized: code value × scale, exact in fp32 and in x's dtype
+            if E8M0:
+                sv = _e8m0_reciprocal(254 - scale_byte)[:, :, None]  # 2^(byte − 127)
+            else:
+                sv = e4m3_to_f32(scale_byte.to(tl.uint8))[:, :, None]
+            values = tl.reshape(tl.join(fp4_to_f32(ce) * sv, fp4_to_f32(co) * sv), (BLOCK_T, NB_P, BLOCK))
+            tl.store(row_base[:, :, None] + ch * so_c, values.to(out_ptr.dtype.element_ty),
+                     mask=store_ok[:, :, None])
+            return
         packed = (ce | (co << 4)).to(tl.uint8)  # element 2i in the low nibble
         byte_off = nb[None, :, None] * HALF + tl.arange(0, HALF)[None, None, :]
         tl.store(row_base[:, :, None] + byte_off * so_c, packed, mask=store_ok[:, :, None])
@@ -239,3 +262,60 @@ def rope_quantize(x: Tensor, cos: Tensor, sin: Tensor, fmt: str, out_rows: Tenso
         PAYLOAD=layout.payload_bytes(D), FP4=layout.fp4, E8M0=layout.e8m0, X_KIND=_X_KIND[x.dtype],
         HW_E4M3=hw_e4m3, BLOCK_T=block_t, num_warps=num_warps, enable_fp_fusion=False,
     )
+
+
+CACHE_BLOCKS = {fmt: layout.block for fmt, layout in CACHE_LAYOUTS.items()}
+_VALUE_FORMATS = {"kv_fp4": "kv_fp4", "index_fp4": "index_fp4", None: None}
+
+
+def _rope_values(x: Tensor, cos: Tensor, sin: Tensor, fmt: str | None, inverse: bool) -> Tensor:
+    """RoPE (+ FP4 fake-quant when fmt is given) of x (B, T, [H,] D) as values in x's dtype."""
+    if fmt not in _VALUE_FORMATS:
+        raise ValueError(f"rope values: fmt must be one of {tuple(_VALUE_FORMATS)}, got {fmt!r}")
+    if x.dim() not in (3, 4) or x.dtype not in _X_KIND:
+        raise ValueError(f"rope: x must be (B, T, [H,] D) bf16 / fp16 / fp32, got {tuple(x.shape)} {x.dtype}")
+    if not runnable(x):
+        raise ValueError(f"rope: Triton needs CUDA tensors or TRITON_INTERPRET=1, got {x.device}")
+    B, T = x.shape[:2]
+    H = x.size(2) if x.dim() == 4 else 1
+    D = x.size(-1)
+    half = cos.size(-1)
+    if cos.shape != sin.shape or not 1 <= half <= D // 2:
+        raise ValueError(f"rope: cos / sin must share a shape with 1 <= R/2 <= D/2, got {tuple(cos.shape)}")
+    cos, sin = cos.float().expand(B, T, half), sin.float().expand(B, T, half)
+    block = 32 if fmt is None else CACHE_BLOCKS[fmt]
+    if D % block:
+        raise ValueError(f"rope: D = {D} must be a multiple of {block}")
+    x3 = x.reshape(B, T * H, D)  # (B, T·H, D): a view for the model's contiguous heads
+    out = torch.empty(B * T * H, D, dtype=x.dtype, device=x.device)
+    n_tokens = B * T * H
+    if n_tokens == 0:
+        return out.view(x.shape)
+    n_blocks = D // block
+    nb_p = triton.next_power_of_2(n_blocks)
+    block_t = _default_block_t(n_tokens, nb_p * block)
+    num_warps = max(1, min(8, block_t * nb_p * block // 256))
+    xk = x3.view(torch.int16) if x.dtype == torch.bfloat16 else x3
+    layout = None if fmt is None else CACHE_LAYOUTS[fmt]
+    _rope_quantize_kernel[(triton.cdiv(n_tokens, block_t),)](
+        xk, cos, sin, out, out,
+        n_tokens, T * H, 0,
+        *x3.stride(), *cos.stride(), *sin.stride(), *out.stride(), 0, 0,
+        ROT_START=D - 2 * half, BLOCK=block, N_BLOCKS=n_blocks, NB_P=nb_p, PAYLOAD=0,
+        FP4=layout is not None, E8M0=layout is not None and layout.e8m0, X_KIND=_X_KIND[x.dtype],
+        HW_E4M3=not interpreting(), BLOCK_T=block_t, MODE=2 if fmt is None else 1, HEADS=H, INVERSE=inverse,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return out.view(x.shape)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
+    """Triton `ops.rope`: `model.rope.apply_rope` in one pass, bit for bit."""
+    return _rope_values(x, cos, sin, None, inverse)
+
+
+def rope_fake_quant(x: Tensor, cos: Tensor, sin: Tensor, fmt: str) -> Tensor:
+    """Triton `ops.rope_fake_quant`: RoPE then the FP4 format's fake-quant, in one pass, bit for bit."""
+    if fmt is None:
+        raise ValueError("rope_fake_quant needs a format")
+    return _rope_values(x, cos, sin, fmt, False)

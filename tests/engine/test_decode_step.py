@@ -1,0 +1,116 @@
+"""The static decode step can be captured: no host sync, no data-dependent shape, shapes fixed by
+(batch, entry bound), and padding rows touch no sequence (issue 15, item 4).
+
+On the CPU the kernel ops run their torch twins, which may sync (they are the executable spec, not
+the captured path); on a GPU they are Triton launches, checked without a sync by
+`tests/engine/test_engine_gpu.py`. Here every op between the kernels is checked by `NoSyncMode`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.conftest import engine_test_model
+from torch.utils._python_dispatch import _disable_current_modes
+
+import dsv41.kernels.ops as ops_module
+from dsv41.engine.engine import Engine
+from dsv41.engine.graphs import batch_buckets, bucket, entry_bound
+from dsv41.engine.sampling import SamplingParams
+from dsv41.testing.sync import HostSyncError, NoSyncMode, OpCounter
+
+
+def _kernels_opaque(monkeypatch) -> None:
+    """Kernel ops run with the sync checks suspended (their GPU versions are Triton launches)."""
+    impl = ops_module._impl
+
+    def opaque(family, name, *tensors, supported=True):
+        fn = impl(family, name, *tensors, supported=supported)
+
+        def call(*args, **kwargs):
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(ops_module, "_impl", opaque)
+
+
+def _engine_with_running(seed: int, lengths=(20, 47, 9)) -> Engine:
+    torch.manual_seed(seed)
+    model = engine_test_model(seed)
+    engine = Engine(model, max_batch=4, prefill_chunk=64, page_rows=8, max_seq_len=256)
+    seqs = [engine.add_request(torch.randint(3, 1000, (n,)).tolist(), SamplingParams(max_tokens=40)) for n in lengths]
+    while any(s.prefilling or s.next_token is None for s in seqs):
+        engine.step()
+    return engine
+
+
+def _fill(engine: Engine) -> tuple[int, dict[int, int]]:
+    io = engine.io
+    for b, seq in enumerate(engine.running):
+        io.fill(b, seq.cache, seq.next_token)
+    B = len(engine.running)
+    io.send()
+    return B, io.max_entries(B)
+
+
+def test_the_decode_step_makes_no_host_sync_between_kernels(monkeypatch):
+    engine = _engine_with_running(60)
+    _kernels_opaque(monkeypatch)
+    B, n_max = _fill(engine)
+    with NoSyncMode(), torch.no_grad():
+        engine.runner.decode(engine.io, B, n_max)
+    # and the check can fail: the host-driven forward builds host tensors and reads counts
+    seqs = [s.cache for s in engine.running]
+    tokens = torch.tensor([[5]] * len(seqs))
+    with pytest.raises(HostSyncError), NoSyncMode(), torch.no_grad():
+        engine.runner.forward(seqs, tokens, torch.tensor([s.n_tokens for s in seqs]), range(2))
+
+
+def test_padding_rows_leave_every_sequence_untouched_and_the_real_rows_unchanged():
+    """A batch padded to its bucket with dummy-slot rows gives the real rows the same logits and
+    writes nothing into any real sequence's rows beyond what the unpadded step writes."""
+    engine = _engine_with_running(61)
+    pools, io = engine.pools, engine.io
+    before = (pools.ring_rows.clone(), pools.ring_positions.clone(),
+              {s: (p.kv.clone(), p.index.clone()) for s, p in pools.sources.items()})
+    B, n_max = _fill(engine)
+    with torch.no_grad():
+        plain = engine.runner.decode(io, B, n_max).clone()
+    after_plain = (pools.ring_rows.clone(), pools.ring_positions.clone(),
+                   {s: (p.kv.clone(), p.index.clone()) for s, p in pools.sources.items()})
+    # the same step again, padded to 4 rows and with the entry bounds rounded up
+    pools.ring_rows.copy_(before[0])
+    pools.ring_positions.copy_(before[1])
+    for s, p in pools.sources.items():
+        p.kv.copy_(before[2][s][0])
+        p.index.copy_(before[2][s][1])
+    io.pad(B, 4)
+    io.send()
+    with torch.no_grad():
+        padded = engine.runner.decode(io, 4, {s: entry_bound(n, 64) for s, n in n_max.items()})[:B].clone()
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+    real = slice(0, pools.dummy_slot)  # every slot but the dummy one
+    assert torch.equal(pools.ring_rows[:, real], after_plain[0][:, real])
+    assert torch.equal(pools.ring_positions[:, real], after_plain[1][:, real])
+    for s, p in pools.sources.items():
+        assert torch.equal(p.kv, after_plain[2][s][0]) and torch.equal(p.index, after_plain[2][s][1])
+
+
+def test_graph_keys_are_batch_buckets_and_power_of_two_entry_bounds():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert [bucket(n, batch_buckets(64)) for n in (1, 3, 17, 64)] == [1, 4, 32, 64]
+    with pytest.raises(ValueError):
+        bucket(65, batch_buckets(64))
+    assert [entry_bound(n, 1024) for n in (0, 5, 1024, 1025, 70000)] == [1024, 1024, 1024, 2048, 131072]
+
+
+def test_decode_step_op_count_is_reported(capsys):
+    """Not a speed test: prints the kernels one eager decode step launches (what a graph saves)."""
+    engine = _engine_with_running(62)
+    B, n_max = _fill(engine)
+    with OpCounter() as counter, torch.no_grad():
+        engine.runner.decode(engine.io, B, n_max)
+    print(f"decode step, tiny, B={B}: {counter.total} aten ops")
+    assert counter.total > 0
