@@ -272,6 +272,46 @@ def test_routed_experts_equal_the_fp4_emulation_and_track_the_float_path(tiny, r
           f"{e[:, 1].mean() * 100:.1f} % away (E2M1 weights)")
 
 
+def test_dense_mxfp4_experts_equal_the_routed_dispatch(released):
+    """The engine's CUDA-graph dispatch for few experts (`MoE.moe_impl = "dense"`: every expert on every
+    token, weighted by the routing) = the routed one for the MXFP4 experts: the unchosen experts add
+    exactly 0, so only the fp32 sum order differs."""
+    moe = copy.deepcopy(released.layers[2].ffn)
+    x = torch.randn(2, 37, moe.experts.dim, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        routed = moe(x)
+        moe.moe_impl = "dense"
+        dense = moe(x)
+    rel = ((dense - routed).norm() / routed.norm()).item()
+    print(f"\ndense vs routed MXFP4 experts: {rel:.1e}")
+    assert rel < 1e-6, f"dense vs routed MXFP4 experts: relative difference {rel:.2e}"
+    assert routed.abs().mean() > 1e-3
+
+
+def test_dense_mxfp4_experts_make_no_host_sync_outside_the_product(released, monkeypatch):
+    """What a CUDA graph captures around the expert kernel: no host read, no data-dependent shape. The
+    product itself is the Triton launch on CUDA (its torch twin reads the counts: the positive control)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from dsv41.testing.sync import HostSyncError, NoSyncMode
+
+    experts = released.layers[2].ffn.experts
+    x = torch.randn(5, experts.dim, generator=torch.Generator().manual_seed(4))
+    route = torch.rand(5, experts.n_experts, generator=torch.Generator().manual_seed(5))
+    with pytest.raises(HostSyncError), NoSyncMode(), torch.no_grad():
+        experts.dense(x, route)  # the twin syncs: the check can fail
+    product = MXFP4Experts._product
+
+    def opaque(self, *args):
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            return product(self, *args)
+
+    monkeypatch.setattr(MXFP4Experts, "_product", opaque)
+    with NoSyncMode(), torch.no_grad():
+        out = experts.dense(x, route)
+    assert out.shape == x.shape and out.dtype == torch.float32
+
+
 @pytest.mark.gpu
 def test_cuda_as_released_model_equals_its_twins_and_generates(released):
     """On the H200: the as-released tiny model with the Triton FP8 / FP8×MXFP4 kernels = the same model
@@ -289,5 +329,8 @@ def test_cuda_as_released_model_equals_its_twins_and_generates(released):
     print(f"\nas-released tiny on CUDA: kernels vs twins relative difference {rel:.2e}")
     assert rel < 1e-3, f"relative difference {rel:.2e}"
     bf16 = model.to(torch.bfloat16)
-    out = Engine(bf16).generate([[5, 6, 7, 8, 9, 10] * 20, [11, 12, 13]], max_tokens=8)
+    engine = Engine(bf16)  # CUDA graphs; 8 experts, top-2: the dense MXFP4 dispatch
+    assert all(moe.moe_impl == "dense" for moe in bf16.moe_layers())
+    out = engine.generate([[5, 6, 7, 8, 9, 10] * 20, [11, 12, 13]], max_tokens=8)
     assert [len(o) for o in out] == [8, 8]
+    assert engine.graphs is not None, "the CUDA-graph capture failed: the engine fell back to eager decode"

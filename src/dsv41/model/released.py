@@ -230,6 +230,23 @@ class MXFP4Experts(_StoredBuffers):
         hq, sh = act_quant(h.to(xs.dtype))  # the reference: self.w2(x.to(dtype))
         return self._product(hq, sh, "w2", counts, xs.dtype)
 
+    def dense(self, x: Tensor, route: Tensor) -> Tensor:
+        """Every expert on every row, weighted by `route` (N, E) fp32 (0 where not chosen): x (N, dim) →
+        Σ_e route_e · expert_e(x) (N, dim) fp32 — `GroupedExperts.dense`'s contract, for the engine's
+        CUDA-graph decode with few experts. The rows are quantized once and handed to the same product as
+        E full segments (counts built on the device: static shapes, no host read on the kernel path); an
+        unchosen expert's hidden is 0 × SwiGLU, which quantizes to zero codes, so it adds exactly 0."""
+        n, e = x.shape[0], self.n_experts
+        xq, sx = act_quant(x)  # (N, dim) codes, (N, dim/32) scales: each expert sees the same rows
+        xq_all, sx_all = xq.repeat(e, 1), sx.repeat(e, 1)  # (E·N, dim), (E·N, dim/32): expert-major segments
+        counts = torch.full((e,), n, dtype=torch.long, device=x.device)  # (E,)
+        ws = route.t().reshape(e * n, 1)  # (E·N, 1): row j of segment i takes route[j, i]
+        h = _swiglu(self._product(xq_all, sx_all, "w1", counts, x.dtype),
+                    self._product(xq_all, sx_all, "w3", counts, x.dtype), self.swiglu_limit, ws)
+        hq, sh = act_quant(h.to(x.dtype))
+        out = self._product(hq, sh, "w2", counts, x.dtype)  # (E·N, dim)
+        return out.view(e, n, -1).float().sum(0)  # (N, dim) fp32
+
     def extra_repr(self) -> str:
         return f"{self.n_experts} experts, dim {self.dim}, inter {self.inter_dim}, mxfp4"
 

@@ -43,7 +43,9 @@ def act_quant(x: Tensor, block: int = ACT_BLOCK) -> tuple[Tensor, Tensor]:
         raise ValueError(f"act_quant: last dim must be a multiple of {block}, got shape {tuple(x.shape)}")
     xb = x.float().unflatten(-1, (-1, block))  # (..., K/b, b)
     amax = xb.abs().amax(dim=-1, keepdim=True).clamp(min=ACT_AMAX_FLOOR)  # (..., K/b, 1)
-    scale = _pow2_ceil(amax * amax.new_tensor(_INV_E4M3_MAX))  # fp32 product, as the kernel
+    # fp32 product, as the kernel: the constant is an fp32 value, and a Python scalar needs no host →
+    # device copy (which a CUDA-graph capture forbids)
+    scale = _pow2_ceil(amax * _INV_E4M3_MAX)
     codes = (xb / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # exact division: scale is 2^k
     return codes.flatten(-2), scale.squeeze(-1)
 
