@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from dsv41 import load_config
 from dsv41.checkpoint import load_checkpoint
 from dsv41.checkpoint.synthetic import resize_engram, write_synthetic_release
-from dsv41.config import ModelConfig
+from dsv41.config import ConfigError, ModelConfig
 from dsv41.model.released import fp8_linear
 from dsv41.quant.fp8 import fp8_block_quantize_weight
 from dsv41.quant.fp8_gemm import act_quant, fp8_gemm_twin
@@ -127,15 +127,24 @@ def linears(c: ModelConfig, device: str, tokens: list[int], iters: int) -> list[
     return rows
 
 
-def model_run(config: ModelConfig, args: argparse.Namespace) -> dict:
+def model_run(config: ModelConfig, args: argparse.Namespace, out: dict, save) -> dict:
+    """Fills `out` phase by phase and calls `save()` after each (a time limit that stops the run keeps
+    what was measured)."""
     from dsv41.engine.engine import Engine
 
     device = args.device
+    out["config"] = {"n_layers": config.n_layers, "dim": config.dim, "n_routed_experts": config.n_routed_experts,
+                     "engram_num_embeddings": config.engram_num_embeddings,
+                     "compress_ratios": config.compress_ratios, "kv_source_layers": config.kv_source_layers,
+                     "index_source_layers": config.index_source_layers, "engram_layer_ids": config.engram_layer_ids}
     shards = args.shards or Path(tempfile.mkdtemp(prefix="dsv41-release-"))
     t0 = time.perf_counter()
     if not (shards / "config.json").exists():
         write_synthetic_release(config, shards, device=device, max_shard_bytes=int(4e9))
     write_s = time.perf_counter() - t0
+    out.update(shards=str(shards), write_s=write_s)
+    print(f"shards in {shards}: written in {write_s:.1f} s", flush=True)
+    save()
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -144,6 +153,11 @@ def model_run(config: ModelConfig, args: argparse.Namespace) -> dict:
     sync(device)
     load_s = time.perf_counter() - t0
     weights_gb = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) / 1e9
+    out.update(load_s=load_s, weights_gb=weights_gb)
+    if device.startswith("cuda"):
+        out["loaded_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    print(f"loaded as-released in {load_s:.1f} s: {weights_gb:.1f} GB of weights on {device}", flush=True)
+    save()
     engine = Engine(model)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, config.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
@@ -151,18 +165,17 @@ def model_run(config: ModelConfig, args: argparse.Namespace) -> dict:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     t_prefill = best_of(lambda: engine.generate(prompts, max_tokens=1), device, args.repeats)
+    out.update(batch=args.batch, prompt_tokens=args.prompt, prefill_s=t_prefill,
+               prefill_tokens_per_s=args.batch * args.prompt / t_prefill)
+    if device.startswith("cuda"):
+        out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    print(f"prefill {args.batch} x {args.prompt}: {t_prefill:.2f} s", flush=True)
+    save()
     t_both = best_of(lambda: engine.generate(prompts, max_tokens=1 + args.decode), device, args.repeats)
     decode_s = t_both - t_prefill  # the D extra decode steps (noise can make it <= 0 at tiny sizes)
-    out = {
-        "config": {"n_layers": config.n_layers, "dim": config.dim, "n_routed_experts": config.n_routed_experts,
-                   "engram_num_embeddings": config.engram_num_embeddings, "compress_ratios": config.compress_ratios,
-                   "kv_source_layers": config.kv_source_layers, "index_source_layers": config.index_source_layers,
-                   "engram_layer_ids": config.engram_layer_ids},
-        "shards": str(shards), "write_s": write_s, "load_s": load_s, "weights_gb": weights_gb,
-        "batch": args.batch, "prompt_tokens": args.prompt, "decode_tokens": args.decode,
-        "prefill_s": t_prefill, "prefill_tokens_per_s": args.batch * args.prompt / t_prefill,
-        "decode_s": decode_s, "decode_tokens_per_s": args.batch * args.decode / decode_s if decode_s > 0 else None,
-    }
+    out.update(decode_tokens=args.decode, decode_s=decode_s,
+               decode_tokens_per_s=args.batch * args.decode / decode_s if decode_s > 0 else None,
+               cuda_graphs=engine.graphs is not None)
     if device.startswith("cuda"):
         out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     print(f"model: {config.n_layers} layers, load {load_s:.1f} s ({weights_gb:.1f} GB on {device}), "
@@ -196,23 +209,33 @@ def main() -> None:
     args.prompt = args.prompt or (2048 if cuda else 64)
     args.decode = args.decode or (64 if cuda else 8)
 
-    full = load_config(args.preset)
-    config = full.truncated(args.max_layers) if args.max_layers and args.max_layers < full.n_layers else full
-    config = resize_engram(config, args.engram_vocab_size)
-    if args.routed_experts and args.routed_experts < config.n_routed_experts:
-        config = config.replace(n_routed_experts=args.routed_experts)
+    try:
+        full = load_config(args.preset)
+        config = full.truncated(args.max_layers) if args.max_layers and args.max_layers < full.n_layers else full
+        config = resize_engram(config, args.engram_vocab_size)
+        if args.routed_experts and args.routed_experts < config.n_routed_experts:
+            config = config.replace(n_routed_experts=args.routed_experts)
+    except (ConfigError, ValueError) as e:
+        ap.exit(2, f"as_released.py: {e}\n")
     torch.manual_seed(0)
     device_name = torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu")
     result = {"date": dt.date.today().isoformat(), "device": device_name, "torch": torch.__version__,
               "preset": args.preset, "max_layers": config.n_layers}
-    if not args.skip_linears:
-        result["linears"] = linears(full, args.device, args.tokens, args.iters)
-    if not args.skip_model:
-        result["model"] = model_run(config, args)
     args.out.mkdir(parents=True, exist_ok=True)
     part = "-linears" if args.skip_model else "-model" if args.skip_linears else ""
     path = args.out / f"as_released-{result['date']}{part}{'' if cuda else '-cpu'}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+
+    def save() -> None:
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
+    if not args.skip_linears:
+        result["linears"] = linears(full, args.device, args.tokens, args.iters)
+        save()
+    if not args.skip_model:
+        result["model"] = {}
+        model_run(config, args, result["model"], save)
+        result["model"]["complete"] = True
+        save()
     print(f"wrote {path}")
 
 

@@ -312,6 +312,41 @@ def test_dense_mxfp4_experts_make_no_host_sync_outside_the_product(released, mon
     assert out.shape == x.shape and out.dtype == torch.float32
 
 
+def test_as_released_decode_step_makes_no_host_sync_between_kernels(released, monkeypatch):
+    """The engine's static decode step (what a CUDA graph captures) on the as-released tiny model with the
+    dense expert dispatch the engine picks under graphs: no host read or data-dependent shape between the
+    kernels (the kernel ops and the FP8 / FP8×MXFP4 products opaque: Triton launches on CUDA)."""
+    from tests.engine.test_decode_step import _fill, _kernels_opaque
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from dsv41.engine.engine import Engine
+    from dsv41.engine.sampling import SamplingParams
+    from dsv41.model import released as released_module
+    from dsv41.testing.sync import NoSyncMode
+
+    model = copy.deepcopy(released)
+    engine = Engine(model, max_batch=4, prefill_chunk=64, page_rows=8, max_seq_len=256)
+    for moe in model.moe_layers():
+        moe.moe_impl = "dense"
+    seqs = [engine.add_request(list(range(5, 5 + n)), SamplingParams(max_tokens=40)) for n in (20, 9)]
+    while any(s.prefilling or s.next_token is None for s in seqs):
+        engine.step()
+    _kernels_opaque(monkeypatch)
+
+    def opaque(fn):
+        def call(*args):
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                return fn(*args)
+        return call
+
+    monkeypatch.setattr(MXFP4Experts, "_product", opaque(MXFP4Experts._product))
+    monkeypatch.setattr(released_module, "fp8_gemm_twin", opaque(released_module.fp8_gemm_twin))
+    B, n_max = _fill(engine)
+    with NoSyncMode(), torch.no_grad():
+        logits = engine.runner.decode(engine.io, B, n_max)
+    assert logits.shape[0] == B and torch.isfinite(logits).all()
+
+
 @pytest.mark.gpu
 def test_cuda_as_released_model_equals_its_twins_and_generates(released):
     """On the H200: the as-released tiny model with the Triton FP8 / FP8×MXFP4 kernels = the same model
