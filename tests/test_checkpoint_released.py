@@ -244,7 +244,7 @@ def test_routed_experts_equal_the_fp4_emulation_and_track_the_float_path(tiny, r
     for h in hooks:
         h.remove()
     modules, floats = dict(released.named_modules()), dict(tiny.named_modules())
-    errs = []
+    errs, forward_errs = [], []
     for name, (xs, ws, counts) in calls.items():
         m = modules[name]
         xq, sx = emulate_act_quant(xs.numpy())
@@ -261,6 +261,14 @@ def test_routed_experts_equal_the_fp4_emulation_and_track_the_float_path(tiny, r
             out = m(xs, ws, counts)
             vs_rounded = rounded(xs, ws, counts, grouped=False)
             vs_float = floats[name](xs, ws, counts, grouped=False)
+        # the whole forward = the emulation: w1 / w3 products, the clamped SwiGLU × routing weight in fp64,
+        # the hidden re-quantized (1×32, E4M3), the w2 product
+        full = _emulate_experts(m, xs.double().numpy(), ws.double().numpy(), counts.numpy())
+        vs_emulation = np.linalg.norm(out.double().numpy() - full) / np.linalg.norm(full)
+        forward_errs.append(vs_emulation)
+        # measured 0 (every sum exact in fp32 here); a hidden element whose fp32 and fp64 SwiGLU round to
+        # different E4M3 codes would cost ~5e-4, so the bound allows a few such flips
+        assert vs_emulation < 2e-3, f"{name}: the expert forward is {vs_emulation:.2e} from the fp64 emulation"
         errs.append((((out - vs_rounded).norm() / vs_rounded.norm()).item(),
                      ((out - vs_float).norm() / vs_float.norm()).item()))
         assert 0.003 < errs[-1][0] < 0.08, f"{name}: {errs[-1][0]:.4f} from the same weights unquantized inputs"
@@ -269,7 +277,26 @@ def test_routed_experts_equal_the_fp4_emulation_and_track_the_float_path(tiny, r
     e = np.array(errs)
     print(f"\nrouted experts: the FP8 activations move the output {e[:, 0].mean() * 100:.2f} % (max "
           f"{e[:, 0].max() * 100:.2f} %) from the MXFP4 weights' own; the float experts are "
-          f"{e[:, 1].mean() * 100:.1f} % away (E2M1 weights)")
+          f"{e[:, 1].mean() * 100:.1f} % away (E2M1 weights); the forward vs its fp64 emulation: max "
+          f"{max(forward_errs):.1e}")
+
+
+def _emulate_experts(m: MXFP4Experts, xs: np.ndarray, ws: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The release's routed experts in fp64 from the stored bytes: act_quant → FP8 × E2M1 (w1, w3) →
+    silu(min(g, L)) · clamp(u, ±L) · weight → act_quant → FP8 × E2M1 (w2)."""
+    from tests.quant.test_fp4_gemm import emulate_fp4_experts
+
+    def product(codes, scales, w):
+        return emulate_fp4_experts(codes.astype(np.int64), scales, getattr(m, w).view(torch.uint8).numpy(),
+                                   getattr(m, w + "_scale").view(torch.uint8).numpy(), counts)
+
+    xq, sx = emulate_act_quant(xs)
+    g, u = product(xq, sx, "w1"), product(xq, sx, "w3")
+    if m.swiglu_limit > 0:
+        g, u = np.minimum(g, m.swiglu_limit), np.clip(u, -m.swiglu_limit, m.swiglu_limit)
+    h = g / (1.0 + np.exp(-g)) * u * ws
+    hq, sh = emulate_act_quant(h)
+    return product(hq, sh, "w2")
 
 
 def test_dense_mxfp4_experts_equal_the_routed_dispatch(released):
