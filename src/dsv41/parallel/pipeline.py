@@ -250,7 +250,7 @@ class StageModule(nn.Module):
             total = lm + aux["aux"]
             self.sums += torch.stack([lm, aux["indexer"], aux["balance"], total]).detach().float().cpu()
             runner.targets += int(n.item())
-            return total * scale
+            return (total * scale).reshape(1)  # (1,): the schedule concatenates micro-batch outputs
         self.sums += torch.stack([zero, aux["indexer"], aux["balance"], aux["aux"]]).detach().float().cpu()
         h = _AttachLoss.apply(h, aux["aux"] * scale)
         return (h, pre_mix, *self.export_payload(ctx, self.outgoing, h.size(1)))
@@ -313,12 +313,12 @@ class PipelineRunner:
 
         inputs = (torch.zeros(rows, seq, dtype=torch.long),) if mod.is_first else \
             tuple(streams() + mod.payload_shapes(mod.incoming, rows, chunk, dtype))
-        outputs = (torch.zeros((), requires_grad=True),) if mod.is_last else \
+        outputs = (torch.zeros(1, requires_grad=True),) if mod.is_last else \
             tuple(streams() + mod.payload_shapes(mod.outgoing, rows, chunk, dtype))
         self.stage = PipelineStage(mod, dims.pp_rank, c.pp, dims.device, input_args=inputs, output_args=outputs,
                                    group=dims.pp_group)
         kind = Schedule1F1B if c.schedule == "1f1b" else ScheduleGPipe
-        kwargs: dict[str, Any] = {"loss_fn": lambda out, target: out}
+        kwargs: dict[str, Any] = {"loss_fn": lambda out, target: out.sum()}
         if "scale_grads" in inspect.signature(kind.__init__).parameters:
             kwargs["scale_grads"] = False  # the loss is already divided by the micro-batch count
         self.schedule = kind(self.stage, c.n_microbatches, **kwargs)
