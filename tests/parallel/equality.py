@@ -18,15 +18,14 @@ from __future__ import annotations
 import os
 
 import torch
-
 from tests.parallel.harness import (
     OPTIMIZER,
     compare_params,
     gather_full,
     make_batches,
     make_model,
-    reference_optimizer,
     reference_finish,
+    reference_optimizer,
     reference_step,
 )
 

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import torch
-
 from tests.parallel.equality import run_layout
 from tests.parallel.harness import make_batches, make_model, reference_optimizer, reference_step, spawn
 from tests.parallel.test_pipeline import check_shadows_after_step
@@ -43,9 +42,10 @@ def _mine(par, step: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _reload(rank: int, world: int, folder: str) -> None:
+    from tests.parallel.harness import OPTIMIZER
+
     from dsv41.parallel import ParallelDims, Parallelize, parse_parallel
     from dsv41.parallel.checkpoint import load_distributed
-    from tests.parallel.harness import OPTIMIZER
 
     par = Parallelize(make_model(seed=1), ParallelDims.build(parse_parallel("dp=2")), **OPTIMIZER)  # other init
     extra = load_distributed(par, folder)

@@ -5,11 +5,15 @@ every step, and the index-key payload variant. Gloo, CPU."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 import torch.distributed as dist
-
 from tests.parallel.equality import run_layout
 from tests.parallel.harness import spawn
+
+FULL = pytest.mark.skipif(not os.environ.get("DSV41_PARALLEL_FULL"), reason="set DSV41_PARALLEL_FULL=1 (minutes)")
 
 
 def check_shadows_after_step(par, step: int) -> None:
@@ -40,5 +44,6 @@ def _pipeline(rank: int, world: int, layouts: list[str]) -> None:
             print(f"{layout}: equal single-device; shadows bit-identical after every step", flush=True)
 
 
+@FULL
 def test_pipeline_equal_to_single_device() -> None:
     spawn(_pipeline, 2, ["pp=2,cuts=5", "pp=2,cuts=5,ship_index_keys=1,schedule=gpipe"])

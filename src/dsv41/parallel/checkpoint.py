@@ -163,3 +163,23 @@ def to_safetensors(folder: str | Path, out: str | Path, config: ModelConfig | No
     model = Transformer(config or load_config(folder / CONFIG_FILE))
     load_single(model, build_optimizer(model, 0.0), folder)
     return save_checkpoint(model, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dsv41.parallel.checkpoint CKPT OUT`: a distributed checkpoint → a single-file one."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m dsv41.parallel.checkpoint", description=main.__doc__)
+    p.add_argument("checkpoint", type=Path, help="a distributed checkpoint folder (ckpt-XXXXXX of a --parallel run)")
+    p.add_argument("out", type=Path, help="output folder (config.json + model.safetensors)")
+    args = p.parse_args(argv)
+    if not (args.checkpoint / ".metadata").exists() or not (args.checkpoint / CONFIG_FILE).exists():
+        print(f"error: {args.checkpoint} is not a distributed checkpoint (no .metadata / config.json)", file=sys.stderr)
+        return 2
+    print(to_safetensors(args.checkpoint, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
