@@ -146,9 +146,10 @@ def clip_grad_norm(params: Iterable[Tensor], max_norm: float, group: dist.Proces
     piece is held by exactly one rank of it: FSDP shards, experts, pipeline stages; default: the world).
     Returns the norm."""
     params = [p for p in params if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float64)
+    device = local(params[0].grad).device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        sq += local(p.grad).double().square().sum().cpu()
+        sq += local(p.grad).double().square().sum().to(device)
     total = all_reduce(sq, group if group is not None else dist.group.WORLD).sqrt().float()
     if math.isfinite(max_norm):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

@@ -367,7 +367,7 @@ class PipelineRunner:
             owner_rank, shadow_rank = self._peers(src, consumer)
             if self.dims.pp_rank == consumer:
                 for _, t in self.stage_module.shadows[src].synced_parameters():
-                    g = t.grad.clone() if t.grad is not None else torch.zeros_like(t)
+                    g = (t.grad.clone() if t.grad is not None else torch.zeros_like(t)).float()
                     if data_group is not None:
                         dist.all_reduce(g, group=data_group)
                         g /= self.dims.config.data_ranks
@@ -376,7 +376,7 @@ class PipelineRunner:
             elif self.dims.pp_rank == self.stage_of[src]:
                 for name, t in _names(self, src):
                     p = self._owner_param(src, name)
-                    g = torch.empty(t, dtype=torch.float32)
+                    g = torch.empty(t, dtype=torch.float32, device=self.dims.device)
                     dist.recv(g, shadow_rank)
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)

@@ -176,9 +176,10 @@ class Parallelize:
                 targets += int(n.item())
         self.finish_backward()
         # losses: parts over cp ranks sum, micro-batches of all dp ranks average
-        total = all_reduce(sums, dist.group.WORLD if dist.is_initialized() else None)
+        device = self.dims.device  # NCCL reduces device tensors only
+        total = all_reduce(sums.to(device), dist.group.WORLD).cpu()
         total = total / (len(batches) * c.dp)  # stages' parts add up too: no division by pp
-        n_targets = int(all_reduce(torch.tensor(float(targets)), self.dims.dp_group).item())
+        n_targets = int(all_reduce(torch.tensor(float(targets), device=device), self.dims.dp_group).item())
         lm, indexer, balance, tot = total.tolist()
         return StepResult(lm, indexer, balance, tot, n_targets, {})
 

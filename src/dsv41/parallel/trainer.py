@@ -58,6 +58,8 @@ class ParallelTrainer(Trainer):
             raise ConfigError(f"train option 'grad_accum': {tc.grad_accum} micro-batches do not split over "
                               f"dp={pconfig.dp}")
         per_rank = tc.grad_accum // pconfig.dp
+        if tc.dtype == "bf16":  # FSDP2 mixed precision (bf16 compute, fp32 master weights and reductions)
+            pconfig = dataclasses.replace(pconfig, mixed="bf16")
         if pconfig.pp > 1:
             pconfig = dataclasses.replace(pconfig, microbatches=per_rank)
         device = init_distributed()
