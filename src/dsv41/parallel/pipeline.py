@@ -176,12 +176,14 @@ class StageModule(nn.Module):
             out.append(torch.zeros(rows, cap, c.head_dim, dtype=dtype, requires_grad=True))
             if boundary.index_keys and self.runner[0].ship_index_keys:
                 out.append(torch.zeros(rows, cap, c.index_head_dim, dtype=dtype, requires_grad=True))
+        # indices and masks travel as fp32 (exact below 2^24): older pipelining versions make every receive
+        # buffer require grad, which integer tensors cannot (see `import_payload`)
         if boundary.topk_source is not None:
-            out.append(torch.zeros(rows, chunk, c.index_topk, dtype=torch.long))
+            out.append(torch.zeros(rows, chunk, c.index_topk, requires_grad=True))
         if boundary.candidate_source is not None:
             total = chunk * self.runner[0].cp
             out.append(torch.zeros(rows, chunk, -(-total // self.plan[boundary.candidate_source].ratio),
-                                   dtype=torch.uint8))
+                                   requires_grad=True))
         return out
 
     def export_payload(self, ctx, boundary: Boundary, chunk: int) -> list[Tensor]:
@@ -192,15 +194,18 @@ class StageModule(nn.Module):
             if boundary.index_keys and self.runner[0].ship_index_keys:
                 out.append(_pad(shared.index_k, 1, cap, 0.0))
         if boundary.topk_source is not None:
-            out.append(_pad(shared.topk, 2, self.config.index_topk, -1))
+            out.append(_pad(shared.topk, 2, self.config.index_topk, -1).float())
         if boundary.candidate_source is not None:
             total = chunk * self.runner[0].cp
             width = -(-total // self.plan[boundary.candidate_source].ratio)
-            out.append(_pad(shared.candidates.to(torch.uint8), 2, width, 0))
+            out.append(_pad(shared.candidates.float(), 2, width, 0))
         return out
 
-    def import_payload(self, ctx, boundary: Boundary, payload: list[Tensor]) -> None:
+    def import_payload(self, ctx, boundary: Boundary, payload: list[Tensor]) -> Tensor:
+        """Fill ctx.shared from the payload; returns a zero that touches the index / mask inputs, so every
+        received tensor gets a (zero) gradient to send back, as the pipeline expects of inputs."""
         shared, it = ctx.shared, iter(payload)
+        links = []
         if boundary.kv_source is not None:
             own = ctx.own_slots(boundary.ratio)
             latent = next(it)[:, :own.token.size(1)]  # (B, N_own, D)
@@ -211,10 +216,15 @@ class StageModule(nn.Module):
             if boundary.index_keys and self.runner[0].ship_index_keys:
                 shared.index_k = next(it)[:, :own.token.size(1)]
         if boundary.topk_source is not None:
-            shared.topk, shared.topk_source = next(it), boundary.topk_source
+            topk = next(it)
+            shared.topk, shared.topk_source = topk.detach().long(), boundary.topk_source
+            links.append(topk)
         if boundary.candidate_source is not None:
             n = ctx.slots(self.plan[boundary.candidate_source].ratio).token.size(1)
-            shared.candidates, shared.candidate_source = next(it)[..., :n].bool(), boundary.candidate_source
+            mask = next(it)
+            shared.candidates, shared.candidate_source = mask.detach()[..., :n].bool(), boundary.candidate_source
+            links.append(mask)
+        return sum((t.sum() * 0.0 for t in links), torch.zeros((), device=payload[0].device if payload else None))
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Tensor, hash_tokens: Tensor, doc_ids: Tensor, targets: Tensor, loss_mask: Tensor,
@@ -225,9 +235,10 @@ class StageModule(nn.Module):
         if self.is_first:
             h = self.embed(runner.owner.chunk(inputs[0])).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)
             pre_mix = identity_pre_mix(h, self.config.hc_mult)  # (B, T_r, n)
-        else:
+        link = None
+        if not self.is_first:
             h, pre_mix, *payload = inputs
-            self.import_payload(ctx, self.incoming, payload)
+            link = self.import_payload(ctx, self.incoming, payload)
         hash_ids = runner.owner.hash_ids(hash_tokens, doc_ids) if hasattr(self, "hasher") else None
         entry = None
         for i in self.layer_ids:
@@ -240,6 +251,8 @@ class StageModule(nn.Module):
 
         zero = h.new_zeros((), dtype=torch.float32)
         aux = aux_losses(self, ctx, zero, n_index=self.n_index, n_moe=self.config.n_layers)
+        if link is not None:
+            aux["aux"] = aux["aux"] + link
         scale = runner.loss_scale
         if self.is_last:
             n = runner.owner.target_count(loss_mask)
