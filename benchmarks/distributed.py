@@ -10,9 +10,12 @@ model that fits with FSDP2 + expert parallelism vs one device.
 
 Throughput: `steps` timed steps of `micro` micro-batches of (batch, seq) tokens per data-parallel rank,
 after `warmup`; the baseline (same config, one device, the same per-rank micro-batches) runs first on
-rank 0 while the others wait. Per GPU = layout tokens/s ÷ world size. `--fit` doubles the routed
-experts (and then layers) until a step runs out of memory, for one GPU and for the layout (CUDA only).
-Writes benchmarks/results/distributed-<date>.json on rank 0.
+rank 0 while the others wait. Per GPU = layout tokens/s ÷ world size. Both sides compute in `--dtype`
+(bf16 on CUDA by default: autocast on one device, FSDP2 bf16 mixed precision for the layout; fp32 master
+weights and reductions in both). `--fit` doubles the routed experts until a step runs out of memory, for
+one GPU and for the layout (CUDA only). Writes benchmarks/results/distributed-<date>.json on rank 0 —
+first with the throughput, again after the fit search (a rank that runs out of memory inside a collective
+can stall the others until NCCL's timeout ends the job; the throughput record is already written then).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def single_device(config, args, device) -> dict:
     model = Transformer(config).init_weights(seed=0).to(device).train()
     opt = build_optimizer(model, 1e-4)
     data = batches(config, args.micro, args.batch, args.seq, device, 0)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
 
     def step():
         for b in data:
@@ -118,6 +121,8 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=0, help="micro-batches per data rank and step (0 = pp)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                   help="compute dtype of both sides (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--fit", action="store_true", help="also search the largest model that fits (CUDA)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args()
@@ -128,9 +133,15 @@ def main() -> None:
     device = init_distributed()
     pconfig = parse_parallel(args.parallel)
     args.micro = args.micro or pconfig.n_microbatches
-    if pconfig.pp > 1:
-        import dataclasses
+    if "mixed=" in args.parallel:  # the layout names its precision: the baseline follows
+        if args.dtype not in (None, pconfig.mixed):
+            p.error(f"--dtype {args.dtype} contradicts mixed={pconfig.mixed} in --parallel")
+        args.dtype = pconfig.mixed
+    args.dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    import dataclasses
 
+    pconfig = dataclasses.replace(pconfig, mixed=args.dtype)  # the layout computes like the baseline
+    if pconfig.pp > 1:
         pconfig = dataclasses.replace(pconfig, microbatches=args.micro)
     dims = ParallelDims.build(pconfig, device)
     config = load_config(args.preset)
@@ -140,7 +151,7 @@ def main() -> None:
     record = {"date": dt.date.today().isoformat(), "device": torch.cuda.get_device_name() if device.type == "cuda"
               else "cpu", "world_size": pconfig.world_size, "parallel": str(pconfig), "preset": args.preset,
               "config": {"n_layers": config.n_layers, "dim": config.dim, "n_routed_experts": config.n_routed_experts,
-                         "batch": args.batch, "seq": args.seq, "micro": args.micro},
+                         "batch": args.batch, "seq": args.seq, "micro": args.micro, "dtype": args.dtype},
               "torch": torch.__version__, "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
     if rank == 0:
         record["one_device"] = single_device(config, args, device)
@@ -149,16 +160,20 @@ def main() -> None:
     if rank == 0:
         one = record["one_device"]["tokens_per_s"]
         record["speedup_per_device"] = record["layout"]["tokens_per_s_per_device"] / one
-    if args.fit and device.type == "cuda":
-        record["fit"] = fit_search(config, args, device, dims, rank)
+    out = Path(args.out) / f"distributed-{record['date']}.json"
     if rank == 0:
-        out = Path(args.out) / f"distributed-{record['date']}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=1) + "\n")
         one, lay = record["one_device"], record["layout"]
         print(f"one device   {one['tokens_per_s']:12.0f} tok/s   peak {one['peak_mem_gib']}")
         print(f"{args.parallel:<12} {lay['tokens_per_s']:12.0f} tok/s   {lay['tokens_per_s_per_device']:.0f} per device"
-              f" ({record['speedup_per_device']:.2f}x one device)   peak {lay['peak_mem_gib']}\nwrote {out}")
+              f" ({record['speedup_per_device']:.2f}x one device)   peak {lay['peak_mem_gib']}\nwrote {out}",
+              flush=True)
+    if args.fit and device.type == "cuda":
+        record["fit"] = fit_search(config, args, device, dims, rank)
+        if rank == 0:
+            out.write_text(json.dumps(record, indent=1) + "\n")
+            print(f"fit: {record['fit']}\nwrote {out}")
     dist.destroy_process_group()
 
 
