@@ -55,13 +55,20 @@ def mixed_precision(mixed: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
 
+def compute_autocast(dims: ParallelDims) -> torch.autocast:
+    """mixed=bf16 where FSDP2 cannot apply it (one data rank per stage: nothing is sharded, see `apply_fsdp`):
+    autocast, as the single-device Trainer does for --dtype bf16. Disabled otherwise."""
+    enabled = dims.config.mixed == "bf16" and dims.config.data_ranks == 1
+    return torch.autocast(dims.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
 def apply_fsdp(model: nn.Module, dims: ParallelDims, ignored: set[nn.Parameter] | None = None,
                root: nn.Module | None = None) -> None:
     """fully_shard every block of `model` (a Transformer or a pipeline stage), then `root` (default the
     model: embedding, final norm and head; a wrapper whose forward is the training step's entry)."""
     model.fuse_across_blocks = False
     if dims.config.data_ranks == 1:
-        return  # nothing to shard over (pipeline parallelism alone)
+        return  # nothing to shard over (pipeline parallelism alone; bf16 then comes from `compute_autocast`)
     mesh, mp = dims.fsdp_mesh, mixed_precision(dims.config.mixed)
     ignored = set(ignored or ())
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers

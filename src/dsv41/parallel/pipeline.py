@@ -44,7 +44,7 @@ from dsv41.model.attention import Attention, Indexer
 from dsv41.model.mhc import identity_pre_mix
 from dsv41.model.norm import RMSNorm
 from dsv41.model.transformer import Transformer
-from dsv41.parallel.fsdp import full, local, shard_of
+from dsv41.parallel.fsdp import compute_autocast, full, local, shard_of
 from dsv41.parallel.mesh import ParallelDims
 from dsv41.plan import REINDEX, REUSE
 
@@ -66,7 +66,10 @@ class _ShadowKeys(nn.Module):
     """The key path of an Indexer (`wk`, `k_norm`), with Indexer's own `keys`."""
 
     owns_k = True
-    keys = Indexer.keys
+
+    def keys(self, latent: Tensor, cos: Tensor, sin: Tensor, quant: bool) -> Tensor:
+        """Indexer.keys in the shadow's fp32 (under mixed=bf16 the shipped entries are bf16)."""
+        return Indexer.keys(self, latent.to(self.wk.weight.dtype), cos, sin, quant).to(latent.dtype)
 
     def __init__(self, owner: Indexer):
         super().__init__()
@@ -190,9 +193,10 @@ class StageModule(nn.Module):
         shared, out = ctx.shared, []
         if boundary.kv_source is not None:
             cap = -(-chunk // boundary.ratio)
-            out.append(_pad(shared.latent, 1, cap, 0.0))
+            dtype = self.runner[0].entry_dtype  # the buffer's dtype: under mixed=bf16 the entries are bf16
+            out.append(_pad(shared.latent.to(dtype), 1, cap, 0.0))
             if boundary.index_keys and self.runner[0].ship_index_keys:
-                out.append(_pad(shared.index_k, 1, cap, 0.0))
+                out.append(_pad(shared.index_k.to(dtype), 1, cap, 0.0))
         if boundary.topk_source is not None:
             out.append(_pad(shared.topk, 2, self.config.index_topk, -1).float())
         if boundary.candidate_source is not None:
@@ -227,8 +231,12 @@ class StageModule(nn.Module):
         return sum((t.sum() * 0.0 for t in links), torch.zeros((), device=payload[0].device if payload else None))
 
     # ------------------------------------------------------------------ forward
-    def forward(self, *inputs: Tensor, hash_tokens: Tensor, doc_ids: Tensor, targets: Tensor, loss_mask: Tensor,
-                window_start: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
+    def forward(self, *inputs: Tensor, **kwargs: Tensor) -> Tensor | tuple[Tensor, ...]:
+        with compute_autocast(self.runner[0].dims):
+            return self._forward(*inputs, **kwargs)
+
+    def _forward(self, *inputs: Tensor, hash_tokens: Tensor, doc_ids: Tensor, targets: Tensor, loss_mask: Tensor,
+                 window_start: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
         runner = self.runner[0]
         ctx = runner.owner.context(doc_ids, window_start)
         mask = runner.owner.chunk(loss_mask)
@@ -266,7 +274,9 @@ class StageModule(nn.Module):
             return (total * scale).reshape(1)  # (1,): the schedule concatenates micro-batch outputs
         self.sums += torch.stack([zero, aux["indexer"], aux["balance"], aux["aux"]]).detach().float().cpu()
         h = _AttachLoss.apply(h, aux["aux"] * scale)
-        return (h, pre_mix, *self.export_payload(ctx, self.outgoing, h.size(1)))
+        # the residual streams cross in fp32 (as on one device, where autocast leaves them fp32); p2p buffers
+        # have fixed dtypes, so every tensor is cast to its buffer's
+        return (h.float(), pre_mix.float(), *self.export_payload(ctx, self.outgoing, h.size(1)))
 
 
 def _pad(t: Tensor, dim: int, size: int, value) -> Tensor:
@@ -311,17 +321,18 @@ class PipelineRunner:
         self.schedule = None
         self.loss_scale = 1.0
         self.targets = 0
+        self.entry_dtype = torch.float32  # dtype of the shipped entries (bf16 under mixed=bf16)
 
     def build_schedule(self, rows: int, seq: int) -> None:
         """The PipelineStage with static payload shapes for micro-batches of (rows, seq), and the schedule."""
         dims, c = self.dims, self.dims.config
         chunk = seq // c.cp
         mod = self.stage_module
-        dtype = torch.bfloat16 if c.mixed == "bf16" else torch.float32
+        dtype = self.entry_dtype = torch.bfloat16 if c.mixed == "bf16" else torch.float32
         cfg = mod.config
 
         def streams():
-            return [torch.zeros(rows, chunk, cfg.hc_mult, cfg.dim, dtype=dtype, requires_grad=True),
+            return [torch.zeros(rows, chunk, cfg.hc_mult, cfg.dim, dtype=torch.float32, requires_grad=True),
                     torch.zeros(rows, chunk, cfg.hc_mult, dtype=torch.float32, requires_grad=True)]
 
         inputs = (torch.zeros(rows, seq, dtype=torch.long),) if mod.is_first else \

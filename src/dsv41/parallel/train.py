@@ -32,7 +32,7 @@ from dsv41.parallel.comm import all_reduce
 from dsv41.parallel.context import ContextParallelContext
 from dsv41.parallel.engram import ShardedEngramTable, shard_engram_tables
 from dsv41.parallel.expert import scale_expert_grads, shard_experts
-from dsv41.parallel.fsdp import apply_fsdp
+from dsv41.parallel.fsdp import apply_fsdp, compute_autocast
 from dsv41.parallel.mesh import ParallelDims
 from dsv41.parallel.optim import accumulate_loads, build_parallel_optimizer, clip_grad_norm, update_biases_global
 
@@ -67,12 +67,14 @@ def aux_losses(model: nn.Module, ctx: ForwardContext, zero: Tensor, n_index: int
 class _StepForward(nn.Module):
     """The FSDP2 root: its forward is one micro-batch chunk's losses (root parameters unshard here)."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, dims: ParallelDims):
         super().__init__()
         self.model = model
+        self.dims = [dims]  # not a submodule
 
     def forward(self, tokens, targets, loss_mask, ctx, hash_ids, n_targets):
-        return chunk_losses(self.model, tokens, targets, loss_mask, ctx, hash_ids, n_targets)
+        with compute_autocast(self.dims[0]):
+            return chunk_losses(self.model, tokens, targets, loss_mask, ctx, hash_ids, n_targets)
 
 
 @dataclass
@@ -110,7 +112,7 @@ class Parallelize:
         if c.cp > 1:
             for _, moe in moe_modules(self.module):
                 moe.sequence_reduce = lambda t, g=dims.cp_group: all_reduce(t.detach().clone(), g)
-        self.root = _StepForward(self.module) if self.pipeline is None else self.module
+        self.root = _StepForward(self.module, dims) if self.pipeline is None else self.module
         apply_fsdp(self.module, dims, ignored={t.weight for t in self.tables}, root=self.root)
         if self.pipeline is not None:
             self.pipeline.owner = self
