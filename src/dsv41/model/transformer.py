@@ -122,6 +122,9 @@ class Transformer(nn.Module):
         self.head = nn.Linear(c.dim, c.vocab_size, bias=False)
         self.hasher = NgramHasher(c) if c.engram_layer_ids else None
         self.engram_index = {layer: k for k, layer in enumerate(c.engram_layer_ids)}
+        # a block's last pass may project the next block's mixes (fused mHC); off when blocks live in
+        # separate shards or pipeline stages (`dsv41.parallel`), where the next hc_attn_fn is not at hand
+        self.fuse_across_blocks = True
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Tensor, doc_ids: Tensor | None = None, image_mask: Tensor | None = None,
@@ -131,10 +134,11 @@ class Transformer(nn.Module):
         return self.head_logits(self.hidden(tokens, ctx, image_mask))
 
     def hidden(self, tokens: Tensor, ctx: ForwardContext, image_mask: Tensor | None = None,
-               token_mask: Tensor | None = None) -> Tensor:
-        """Collapsed final hidden state (B, T, dim), before the final norm."""
-        hash_ids = None
-        if self.hasher is not None:
+               token_mask: Tensor | None = None, hash_ids: Tensor | None = None) -> Tensor:
+        """Collapsed final hidden state (B, T, dim), before the final norm. `hash_ids`: Engram addresses
+        computed beforehand (they depend on tokens only; a rank holding part of a sequence hashes the
+        whole rows)."""
+        if self.hasher is not None and hash_ids is None:
             hash_ids = self.hasher(tokens, doc_ids=ctx.doc_ids, dead_mask=image_mask)
         engram_mask = None if image_mask is None else ~image_mask
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)  # (B, T, n, d)
@@ -153,7 +157,7 @@ class Transformer(nn.Module):
         last pass (it exists, is ≤ `last`, and no Engram touches the streams in between)."""
         nxt = layer_id + 1
         last = len(self.layers) - 1 if last is None else last
-        if nxt > last or self.layers[nxt].engram is not None:
+        if not self.fuse_across_blocks or nxt > last or self.layers[nxt].engram is not None:
             return None
         return self.layers[nxt].hc_attn_fn
 
