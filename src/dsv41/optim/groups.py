@@ -54,7 +54,8 @@ KNOWN_MUON = (
     re.compile(r"(^|\.)ffn\.experts\.w[123]$"),  # GroupedExperts: (E, out, in), Muon per expert matrix
     re.compile(r"(^|\.)engram\.wkv\.weight$"),
     re.compile(r"(^|\.)mtp\.\d+\.(main_proj|[eh]_proj)\.weight$"),
-    re.compile(r"^aligner\.w[12]\.weight$"),  # the vision–language projector (the release's `aligner`)
+    re.compile(r"projector\..*weight$"),  # a vision–language projector by its generic name
+    re.compile(r"^aligner\.w[12]\.weight$"),  # ... and by the release's (`aligner`)
     re.compile(r"^vision\.(patch_embed\.proj|blocks\.\d+\.(attn\.(wqkv|wo)|mlp\.w[12]))\.weight$"),  # ViT matrices
 )
 ENGRAM = re.compile(r"(^|\.)engram\.")
