@@ -128,7 +128,7 @@ def _rgb(image):
 
 def patchify(pixels: np.ndarray | Tensor, p: int) -> Tensor:
     """uint8 (H, W, 3) with H, W multiples of p → (H/p · W/p, 3·p²) fp32 in [−1, 1], each patch (C, p, p)."""
-    x = torch.as_tensor(np.asarray(pixels)).float().permute(2, 0, 1) / 255  # (3, H, W)
+    x = torch.from_numpy(np.array(pixels, dtype=np.float32)).permute(2, 0, 1) / 255  # (3, H, W)
     x = (x - 0.5) / 0.5
     C, H, W = x.shape
     x = x.view(C, H // p, p, W // p, p).permute(1, 3, 0, 2, 4)  # (H/p, W/p, C, p, p)

@@ -189,14 +189,17 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ training entry point
     def losses(self, tokens: Tensor, targets: Tensor, doc_ids: Tensor | None = None,
                loss_mask: Tensor | None = None, image_mask: Tensor | None = None,
-               window_start: Tensor | None = None, image_embeds: Tensor | None = None) -> Losses:
+               window_start: Tensor | None = None, image_embeds: Tensor | None = None,
+               token_mask: Tensor | None = None) -> Losses:
         """All layers on all tokens (ordinary causal LM). `loss_mask` (B, T) picks the target
-        positions; padding is excluded from the MoE statistics. `window_start` simulates bounded
-        replay (keys before it are hidden from the window)."""
+        positions; `token_mask` (default: loss_mask) the tokens the MoE statistics count — pass the
+        non-padding positions when some real tokens are no targets (image positions). `window_start`
+        simulates bounded replay (keys before it are hidden from the window)."""
         ctx = ForwardContext.build(tokens, doc_ids, training_losses=True, window_start=window_start)
         if loss_mask is None:
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
-        hidden = self.hidden(tokens, ctx, image_mask, token_mask=loss_mask, image_embeds=image_embeds)
+        token_mask = loss_mask if token_mask is None else token_mask
+        hidden = self.hidden(tokens, ctx, image_mask, token_mask=token_mask, image_embeds=image_embeds)
         logits = self.head_logits(hidden)
         n = int(loss_mask.sum().item())
         ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
