@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--emoji", type=Path, default=None, help="unpacked emoji-datasource-google package folder")
     ap.add_argument("--clipart", type=Path, default=CLIPART_DIR, help="openclipart-png's png folder")
     ap.add_argument("--eval-sample", type=Path, default=None,
-                    help="write only a small held-out sample here (500 Fashion-MNIST test images, the emoji test split)")
+                    help="write only a small held-out sample here (500 Fashion-MNIST test images, emoji test split)")
     args = ap.parse_args(argv)
 
     builders = {"fashion": (fashion, FASHION_DIR.exists(), "apt-get install -y dataset-fashion-mnist")}

@@ -42,6 +42,10 @@ class ImageError(ValueError):
     """An image that cannot be used: malformed, too large, an unsupported format or a remote URL."""
 
 
+class ImageTooLarge(ImageError):
+    """An image over `ImageLimits` (encoded bytes or decoded pixels): the server answers 413."""
+
+
 @dataclass(frozen=True)
 class ImageLimits:
     max_bytes: int = 8 * 1024 * 1024  # encoded size
@@ -164,13 +168,13 @@ def decode_image(data: bytes, config: ModelConfig, limits: ImageLimits | None = 
     if not data:
         raise ImageError("the image is empty")
     if len(data) > limits.max_bytes:
-        raise ImageError(f"the image has {len(data)} bytes, more than the limit of {limits.max_bytes}")
+        raise ImageTooLarge(f"the image has {len(data)} bytes, more than the limit of {limits.max_bytes}")
     try:
         with Image.open(io.BytesIO(data)) as im:
             if im.format not in limits.formats:
                 raise ImageError(f"image format {im.format} is not accepted (accepted: {', '.join(limits.formats)})")
             if im.width * im.height > limits.max_pixels:
-                raise ImageError(f"the image is {im.width}x{im.height} pixels, more than the limit of "
+                raise ImageTooLarge(f"the image is {im.width}x{im.height} pixels, more than the limit of "
                                  f"{limits.max_pixels} pixels")
             im.load()
             return preprocess(im, config, hashlib.sha256(data).hexdigest())
@@ -224,3 +228,17 @@ def image_positions(tokens: list[int], images: list[ImageInput], image_token_id:
     if any(t == image_token_id for t in tokens[i:]):
         raise ImageError("the prompt has image tokens that belong to no image")
     return starts
+
+
+def chat_ids_with_images(tok, segments: list[tuple[str, bool]], image_token_id: int, marker: str) -> list[int]:
+    """Token ids of chat-template `segments` ((text, is_control) pieces, `tokenizer.chat_segments`) where each
+    `marker` inside message text is one `image_token_id` placeholder; markers are control text, message text
+    stays literal (what the server and `dsv41 generate --chat --image` both build)."""
+    ids: list[int] = []
+    for text, control in segments:
+        if control:
+            ids += tok.encode(text, allow_special=True)
+            continue
+        for k, part in enumerate(text.split(marker)):
+            ids += [image_token_id] * (k > 0) + (tok.encode(part) if part else [])
+    return ids
