@@ -79,6 +79,8 @@ class VisionTrainConfig:
     eval_images: int = 2000  # Fashion-MNIST test images per evaluation (siglip: all at the end)
     seed: int = 0
     threads: int = 0  # > 0: torch.set_num_threads
+    time_budget_s: float = 0.0  # > 0: stop the loop after this many seconds (then evaluate and save as usual)
+    keep_lm: bool = False  # caption: also save the whole captioner (LM included) as a compact checkpoint
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -404,6 +406,9 @@ class _Run:
 
             self.bar = tqdm(total=tc.steps, desc=f"train-vision {stage}", dynamic_ncols=True)
 
+    def over_budget(self) -> bool:
+        return self.tc.time_budget_s > 0 and time.time() - self.t0 > self.tc.time_budget_s
+
     def log(self, record: dict) -> None:
         with self.metrics.open("a") as f:
             f.write(json.dumps({**record, "time_s": round(time.time() - self.t0, 2)}) + "\n")
@@ -505,9 +510,13 @@ def train_caption(tc: VisionTrainConfig) -> dict[str, float]:
     train, test = _sets(tc, weights, "train"), _sets(tc, {"fashion": 1.0}, "test")
     model = Transformer(config).init_weights(seed=tc.seed).train()
     load_into(model, Path(tc.out) / "siglip" / "vision.safetensors", ("vision.",))
+    from dsv41.engine.cli import install_engram_map
+
+    install_engram_map(model, tok)  # the map a loaded checkpoint gets: train with the same hashing
     opt = _optimizer(model, tc)
     run = _Run(tc, "caption")
     for step in range(1, tc.steps + 1):
+        last = step == tc.steps or run.over_budget()
         batch = caption_batch(train, weights, tc.batch_size, tok, config, tc, rng)
         losses = forward_losses(model, batch)
         opt.zero_grad()
@@ -516,12 +525,24 @@ def train_caption(tc: VisionTrainConfig) -> dict[str, float]:
         run.step(step, opt, loss=float(losses.lm.detach()))
         opt.step()
         update_moe_biases(model)  # text → bias, image tokens → bias_vl, each from its own load
-        if step % tc.eval_every == 0 or step == tc.steps:
+        if step % tc.eval_every == 0 or last:
             ev = caption_eval(model, tok, test["fashion"], min(tc.eval_images, len(test["fashion"])))
+            if last:
+                blind = caption_eval(model, tok, test["fashion"], ev["caption_n"], with_image=False)
+                ev |= {"text_only_match": blind["caption_match"], "text_only_samples": blind["samples"][:2],
+                       "chance": 1 / len({m["name"] for m in test["fashion"].meta})}
             run.log({"type": "eval", "stage": "caption", "step": step, **ev})
+        if last:
+            break
     run.close()
     keep = {k: v for k, v in model.state_dict().items() if k.startswith(("vision.", "aligner.", "image_"))}
     save_vision(run.dir / "vision.safetensors", keep, {"stage": "caption", "model_config": config.to_json()})
+    if tc.keep_lm:
+        from dsv41.checkpoint import save_checkpoint
+
+        save_checkpoint(model.eval(), run.dir / "model", fmt="compact",
+                        extra_files={"tokenizer.json": Path(tc.tokenizer).read_text()},
+                        metadata={"trained_by": "dsv41 train-vision caption", "steps": step})
     return ev
 
 
