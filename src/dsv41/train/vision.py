@@ -674,6 +674,8 @@ def add_parser(subparsers: Any):
         "train-vision", help="train the ViT: SigLIP, captioning on a small MoE LM, LM pretraining with images",
         description=__doc__.split("\n\n")[0] + "\n\nOptions are --key=value over VisionTrainConfig:\n" + "\n".join(
             f"  --{f.name}={f.default!r}" for f in dataclasses_fields(VisionTrainConfig)),
+        epilog="examples:\n  dsv41 train-vision siglip --steps=300 --out=runs/vl\n"
+               "  dsv41 train-vision caption --steps=80 --batch_size=64 --keep_lm=true --out=runs/vl",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("stage", choices=STAGES + ("all",), help="stage to run ('all' runs the three in order)")
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="--key=value options")
