@@ -32,6 +32,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "dsv41.cli:PLAN",
     "accounting": "dsv41.cli:ACCOUNTING",
     "train": "dsv41.train.cli",
+    "train-vision": "dsv41.train.vision",
     "demo": "dsv41.demo",
     "generate": "dsv41.engine.cli",
     "serve": "dsv41.server.cli",

@@ -148,31 +148,30 @@ def dspark_params(c: ModelConfig) -> list[Param]:
 
 
 def vision_params(c: ModelConfig) -> list[Param]:
-    """DeepSeek-ViT + aligner by formula (SPEC §5 "Vision"; docs/accounting.md): linear patch
-    embedding 3·p² → D with bias; per layer RMSNorm, fused qkv D → 3D and output D → D (both with
-    bias), RMSNorm, bias-free SwiGLU (w1, w3: D → I; w2: I → D); a final RMSNorm; after the k×k
-    pixel-unshuffle the 2-layer MLP aligner k²·D → dim → dim (with biases); the learned image
-    start / end / newline embeddings. With these the release-format bytes equal the release's
-    index total exactly (docs/checkpoint.md)."""
+    """DeepSeek-ViT, the aligner and the span embeddings, named and shaped as the release's tensors
+    (`dsv41.model.vision` lists them and their source; SPEC §5 "Vision"): a linear patch embedding
+    3·p² → D with bias; per layer RMSNorm, fused `wqkv` D → 3D and `wo` D → D, both with bias, RMSNorm,
+    bias-free SwiGLU (`w1` D → 2I = [gate | up], `w2` I → D); a final RMSNorm; the aligner after the
+    r×r unshuffle r²·D → dim → dim with biases; the learned start / end / newline embeddings (dim
+    each). With these the release-format bytes equal the release's index total exactly
+    (docs/checkpoint.md)."""
     if not c.vision_enabled:
         return []
     d, inter, pre = c.vision_dim, c.vision_inter_dim, "vision."
-    out = [_p(f"{pre}patch_embed.weight", (d, 3 * c.vision_patch_size ** 2), "vit"),
-           _p(f"{pre}patch_embed.bias", (d,), "vit", VECTOR)]
+    out = [_p(f"{pre}patch_embed.proj.weight", (d, 3 * c.vision_patch_size ** 2), "vit"),
+           _p(f"{pre}patch_embed.proj.bias", (d,), "vit", VECTOR)]
     for i in range(c.vision_n_layers):
-        lp = f"{pre}layers.{i}."
-        out += [_p(f"{lp}attn_norm.weight", (d,), "vit", VECTOR),
+        lp = f"{pre}blocks.{i}."
+        out += [_p(f"{lp}norm1.weight", (d,), "vit", VECTOR),
                 _p(f"{lp}attn.wqkv.weight", (3 * d, d), "vit"), _p(f"{lp}attn.wqkv.bias", (3 * d,), "vit", VECTOR),
                 _p(f"{lp}attn.wo.weight", (d, d), "vit"), _p(f"{lp}attn.wo.bias", (d,), "vit", VECTOR),
-                _p(f"{lp}ffn_norm.weight", (d,), "vit", VECTOR),
-                _p(f"{lp}ffn.w1.weight", (inter, d), "vit"), _p(f"{lp}ffn.w2.weight", (d, inter), "vit"),
-                _p(f"{lp}ffn.w3.weight", (inter, d), "vit")]
+                _p(f"{lp}norm2.weight", (d,), "vit", VECTOR),
+                _p(f"{lp}mlp.w1.weight", (2 * inter, d), "vit"), _p(f"{lp}mlp.w2.weight", (d, inter), "vit")]
     out.append(_p(f"{pre}norm.weight", (d,), "vit", VECTOR))
     unshuffled = c.vision_downsample_ratio ** 2 * d
-    out += [_p("aligner.w1.weight", (c.dim, unshuffled), "projector"),
-            _p("aligner.w1.bias", (c.dim,), "projector", VECTOR),
-            _p("aligner.w2.weight", (c.dim, c.dim), "projector"), _p("aligner.w2.bias", (c.dim,), "projector", VECTOR)]
-    out += [_p(name, (c.dim,), "projector", VECTOR) for name in ("image_start", "image_end", "image_newline")]
+    out += [_p("aligner.w1.weight", (c.dim, unshuffled), "aligner"), _p("aligner.w1.bias", (c.dim,), "aligner", VECTOR),
+            _p("aligner.w2.weight", (c.dim, c.dim), "aligner"), _p("aligner.w2.bias", (c.dim,), "aligner", VECTOR)]
+    out += [_p(name, (c.dim,), "image_embeds", VECTOR) for name in ("image_start", "image_end", "image_newline")]
     return out
 
 
