@@ -29,14 +29,20 @@ from dsv41.quant.fp4 import mxfp4_dequantize_weight, mxfp4_quantize_weight
 from dsv41.quant.fp8 import fp8_block_dequantize_weight, fp8_block_quantize_weight, quantize_fp8
 
 EXPERT = "layers.3.ffn.experts.5.w2.weight"
+# the release's layout (dsv41.checkpoint.release_format; tests/test_checkpoint_release.py checks every tensor)
 FP8_NAMES = ["layers.0.attn.wq_a.weight", "layers.0.attn.wq_b.weight", "layers.0.attn.wkv.weight",
-             "layers.0.attn.wo_b.weight", "layers.2.attn.indexer.wq_b.weight", "layers.2.attn.indexer.wk.weight",
+             "layers.0.attn.wo_a.weight", "layers.0.attn.wo_b.weight", "layers.2.attn.indexer.wq_b.weight",
              "layers.5.ffn.shared_experts.w1.weight", "layers.1.engram.wkv.weight"]
-BF16_NAMES = ["embed.weight", "head.weight", "layers.0.attn.wo_a.weight", "layers.2.attn.indexer.weights_proj.weight",
-              "layers.1.engram.embed.weight", "layers.1.engram.q_weight"]
-FP32_NAMES = ["layers.0.hc_attn_fn", "layers.0.hc_ffn_base", "layers.0.attn.attn_sink", "layers.0.ffn.gate.weight",
-              "layers.0.ffn.gate.bias", "layers.2.attn.compressor.wkv.weight", "layers.2.attn.compressor.wgate.weight",
+ROW_NAMES = ["layers.1.engram.embed.weight"]
+BF16_NAMES = ["embed.weight", "head.weight", "layers.2.attn.indexer.weights_proj.weight",
+              "layers.2.attn.indexer.wk.weight", "layers.1.engram.q_weight", "layers.0.ffn.gate.weight",
+              "layers.2.attn.compressor.wkv.weight", "layers.2.attn.compressor.wgate.weight",
               "layers.0.attn.q_norm.weight", "norm.weight"]
+FP32_NAMES = ["layers.0.hc_attn_fn", "layers.0.hc_ffn_base", "layers.0.attn.attn_sink", "layers.0.ffn.gate.bias"]
+# our float format with dtype=bf16 keeps these FP32 (keeps_fp32)
+FLOAT_FP32_NAMES = FP32_NAMES + ["layers.0.ffn.gate.weight", "layers.2.attn.compressor.wkv.weight",
+                                 "layers.2.attn.compressor.wgate.weight", "layers.0.attn.q_norm.weight",
+                                 "norm.weight"]
 
 
 def _random_tiny(seed: int) -> Transformer:
@@ -109,7 +115,7 @@ def _decode_fp8(w: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
 
 
 def _decode_fp8_rows(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    decoded = E4M3[_bytes(values)] * np.repeat(_e8m0(scale), 32, axis=1)
+    decoded = E4M3[_bytes(values)] * np.repeat(_e8m0(scale), 32, axis=1)[:, :values.shape[1]]
     return torch.from_numpy(decoded).float()
 
 
@@ -140,9 +146,9 @@ def test_float_round_trip_is_bit_exact(tiny, tmp_path):
 def test_float_save_in_bf16_keeps_the_fp32_set(tiny, tmp_path):
     directory = save_checkpoint(tiny, tmp_path / "ckpt", dtype=torch.bfloat16)
     header = read_header(directory / "model.safetensors")
-    for name in FP32_NAMES:
+    for name in FLOAT_FP32_NAMES:
         assert header[name]["dtype"] == "F32", name
-    for name in BF16_NAMES + FP8_NAMES + [EXPERT]:
+    for name in set(BF16_NAMES + FP8_NAMES + ROW_NAMES + [EXPERT]) - set(FLOAT_FP32_NAMES):
         assert header[name]["dtype"] == "BF16", name
     loaded = load_checkpoint(directory, dtype=torch.bfloat16)
     ref = tiny.state_dict()
@@ -173,6 +179,11 @@ def test_official_fp8_layout_has_release_names_dtypes_and_shapes(tiny, fp8_dir):
         assert raw[name].dtype == torch.int8 and raw[name].shape == (out_dim, in_dim // 2), name
         assert raw[scale].dtype == torch.float8_e8m0fnu and raw[scale].shape == (out_dim, in_dim // 32), scale
         assert (header[name]["dtype"], header[scale]["dtype"]) == ("I8", "F8_E8M0")
+    for name in ROW_NAMES:  # Engram tables: FP8 rows, one E8M0 scale per 32 channels (16-wide rows: one)
+        rows, dim = params[name].shape
+        scale = name[:-len("weight")] + "scale"
+        assert raw[name].dtype == torch.float8_e4m3fn and raw[name].shape == (rows, dim), name
+        assert raw[scale].dtype == torch.float8_e8m0fnu and raw[scale].shape == (rows, math.ceil(dim / 32)), scale
     for name in BF16_NAMES:
         assert raw[name].dtype == torch.bfloat16 and name[:-len("weight")] + "scale" not in raw, name
     for name in FP32_NAMES:
@@ -189,9 +200,14 @@ def test_official_fp8_load_equals_independent_dequantization(tiny, fp8_dir, fp8_
     loaded = fp8_model.state_dict()
     original = tiny.state_dict()
     assert all(v.dtype == torch.float32 for v in loaded.values())
-    fp8 = [n for n in original if raw[n].dtype == torch.float8_e4m3fn]
+    fp8 = [n for n in original if raw[n].dtype == torch.float8_e4m3fn and n not in ROW_NAMES]
     fp4 = [n for n in original if raw[n].dtype == torch.int8]
-    assert len(fp8) == 8 * 7 + 3 + 2 + 1 and len(fp4) == 8 * 8 * 3  # 7 per layer, indexer wq_b x3 + wk x2, engram
+    assert len(fp8) == 8 * 8 + 3 + 1 and len(fp4) == 8 * 8 * 3  # 8 per layer, indexer wq_b x3, engram wkv
+    for name in ROW_NAMES:
+        got = loaded[name]
+        assert torch.equal(got, _decode_fp8_rows(raw[name], raw[name[:-len("weight")] + "scale"])), name
+        rel = ((got - original[name]).norm() / original[name].norm()).item()
+        assert 0 < rel < 0.05, f"{name}: relative error {rel:.4f}"
     for name in fp8:
         w, got, scale = original[name], loaded[name], raw[name[:-len("weight")] + "scale"]
         independent = _decode_fp8(raw[name], scale)
@@ -211,7 +227,7 @@ def test_official_fp8_load_equals_independent_dequantization(tiny, fp8_dir, fp8_
     s = np.repeat(_e8m0(scale), 32, axis=-1)
     assert (np.abs(independent - w.double().numpy()) <= 0.25 * np.maximum(np.abs(w.double().numpy()), s)).all()
     for name, w in original.items():
-        if name in fp8 or name in fp4:
+        if name in fp8 or name in fp4 or name in ROW_NAMES:
             continue
         expected = w.bfloat16().float() if raw[name].dtype == torch.bfloat16 else w
         assert raw[name].dtype in (torch.bfloat16, torch.float32) and torch.equal(loaded[name], expected), name
@@ -291,7 +307,8 @@ def test_sharded_round_trip_and_resave_in_place(tiny, tmp_path):
 
 def test_checkpoint_info_summarizes_from_headers(fp8_dir):
     info = checkpoint_info(fp8_dir)
-    assert info["format"] == "official-fp8" and info["quantized"] == ["fp8", "mxfp4"]
+    assert info["format"] == "official-fp8" and info["quantized"] == ["fp8_rows", "fp8_tiles", "mxfp4"]
+    assert info["release_layout"] == {"conforms": True, "problems": 0, "first": []}
     assert info["config"]["n_layers"] == 8 and info["files"] == ["model.safetensors"]
     assert info["tensors"] == sum(v["tensors"] for v in info["dtypes"].values())
     assert info["bytes"] == sum(v["bytes"] for v in info["dtypes"].values())
@@ -398,10 +415,10 @@ def test_index_naming_a_missing_shard(tiny, tmp_path):
 
 
 def test_interrupted_save_leaves_a_directory_that_does_not_load(tiny, saved, monkeypatch):
-    import dsv41.checkpoint as ckpt
+    import dsv41.checkpoint.save as ckpt
 
     calls = {"n": 0}
-    real = ckpt._convert
+    real = ckpt._stored
 
     def failing(*args, **kwargs):
         calls["n"] += 1
@@ -409,7 +426,7 @@ def test_interrupted_save_leaves_a_directory_that_does_not_load(tiny, saved, mon
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt, "_convert", failing)
+    monkeypatch.setattr(ckpt, "_stored", failing)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tiny, saved, max_shard_bytes=1 << 19)
     assert not list(saved.glob(".*tmp*"))  # no temporary files left behind

@@ -32,6 +32,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "dsv41.cli:PLAN",
     "accounting": "dsv41.cli:ACCOUNTING",
     "train": "dsv41.train.cli",
+    "train-vision": "dsv41.train.vision",
     "demo": "dsv41.demo",
     "generate": "dsv41.engine.cli",
     "serve": "dsv41.server.cli",
@@ -57,17 +58,23 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"a shipped preset: {', '.join(preset_names())} (default: v41-flash)")
     group.add_argument("--config", metavar="PATH", type=Path,
                        help="a flat preset-style JSON, a Hugging Face config.json, or a checkpoint directory")
+    parser.add_argument("--max-layers", metavar="N", type=int,
+                        help="cut the config to N of its layers at their real widths, keeping every layer role "
+                             "(window, Full, Reuse, Reindex, Engram; v41-flash needs N >= 5)")
 
 
 def config_from_args(args: argparse.Namespace) -> ModelConfig:
     if args.config is not None:
         if not args.config.exists():
             raise ConfigError(f"config file '{args.config}' not found")
-        return load_config(args.config)
-    name = args.preset or "v41-flash"
-    if name not in preset_names():
-        raise ConfigError(f"unknown preset '{name}' (presets: {', '.join(preset_names())})")
-    return load_config(name)
+        config = load_config(args.config)
+    else:
+        name = args.preset or "v41-flash"
+        if name not in preset_names():
+            raise ConfigError(f"unknown preset '{name}' (presets: {', '.join(preset_names())})")
+        config = load_config(name)
+    max_layers = getattr(args, "max_layers", None)
+    return config if max_layers is None else config.truncated(max_layers)
 
 
 def _add(subparsers: Any, name: str, help: str, description: str, epilog: str) -> argparse.ArgumentParser:
@@ -108,10 +115,12 @@ class _Accounting:
         p = _add(subparsers, "accounting", "parameters, active parameters, KV bytes and FLOPs of a config",
                  "Recompute the report's summary table from a config: backbone / Engram / DSpark / vision\n"
                  "parameters, active parameters per token in prefill and decode, KV-cache bytes per token\n"
-                 "(and against DeepSeek-V4-Flash), decode and prefill FLOPs. For the v41-flash preset the\n"
-                 "report's figure is printed beside ours. Definitions: docs/accounting.md.",
+                 "(and against DeepSeek-V4-Flash), decode and prefill FLOPs, and the checkpoint's bytes in the\n"
+                 "release's format per component. For the v41-flash preset the report's figure is printed\n"
+                 "beside ours. Definitions: docs/accounting.md, docs/checkpoint.md.",
                  "examples:\n  dsv41 accounting --preset v41-flash\n"
                  "  dsv41 accounting --preset small --json\n"
+                 "  dsv41 accounting --preset v41-flash --max-layers 6   # what one GPU holds\n"
                  "  python -m dsv41 accounting --config ./config.json")
         add_config_arguments(p)
         p.add_argument("--json", action="store_true", help="print every figure as one JSON object")

@@ -145,6 +145,11 @@ class ModelConfig:
             self.dspark_n_activated_experts or self.n_activated_experts,
         )
 
+    def truncated(self, n_layers: int) -> ModelConfig:
+        """This config cut to `n_layers` of its own layers at their real widths, keeping every
+        layer role (`truncate_config`): for running the release's shapes on one GPU."""
+        return truncate_config(self, n_layers)
+
     def replace(self, **changes: Any) -> ModelConfig:
         """A validated copy with some fields changed (unknown names raise ConfigError)."""
         return from_dict({**self.to_dict(), **changes})
@@ -277,6 +282,67 @@ def validate(c: ModelConfig) -> None:
             _fail("n_mtp_layers", "DSpark needs at least one draft stage")
     if c.vision_enabled and c.vision_dim % c.vision_n_heads:
         _fail("vision_n_heads", f"vision_dim ({c.vision_dim}) is not divisible by vision_n_heads")
+
+
+# ---------------------------------------------------------------------- truncation
+def truncated_layer_ids(c: ModelConfig, n_layers: int) -> list[int]:
+    """Which of `c`'s layers a truncation to `n_layers` keeps (`truncate_config`), in order."""
+    from dsv41.plan import FULL, REINDEX, REUSE, WINDOW, layer_plan
+
+    if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers <= 0:
+        _fail("n_layers", f"a truncation needs a positive layer count, got {n_layers!r}")
+    plans = layer_plan(c)
+    chosen: set[int] = set()
+
+    def keep(i: int) -> None:
+        p = plans[i]
+        chosen.update(j for j in (i, p.kv_source, p.topk_source) if j is not None)
+        if p.uses_candidates:
+            chosen.add(c.candidate_source_layer)
+
+    for mode in (WINDOW, FULL, REUSE, REINDEX):
+        layers = [p for p in plans if p.mode == mode]
+        preferred = [p for p in layers if p.engram] if mode == WINDOW else []
+        if layers:
+            keep((preferred or layers)[0].layer_id)
+    if c.engram_layer_ids and not chosen & set(c.engram_layer_ids):
+        keep(c.engram_layer_ids[0])
+    for half in (range(c.encoder_layers), range(c.encoder_layers, c.n_layers)):
+        if not chosen & set(half):
+            keep(half[0])
+    if n_layers < len(chosen):
+        _fail("n_layers", f"keeping every layer role needs at least {len(chosen)} layers "
+                          f"({sorted(chosen)} of the full model), got {n_layers}")
+    for i in range(c.n_layers):  # then the earliest others, in order
+        if len(chosen) >= min(n_layers, c.n_layers):
+            break
+        keep(i)
+    return sorted(chosen)
+
+
+def truncate_config(c: ModelConfig, n_layers: int) -> ModelConfig:
+    """`n_layers` of `c`'s layers, renumbered in order, every width unchanged.
+
+    Kept first (the roles): the first window-only layer (an Engram one if there is one), the first
+    Full, Reuse and Reindex layers, each with the layers it reads (kv source, top-k source,
+    candidate source), an Engram layer, and a layer of each CED half; then the earliest remaining
+    layers until there are `n_layers`. Sources, Engram layers (and their table sizes) and the
+    encoder depth are remapped; DSpark stages are dropped (their target layers are gone). For
+    v41-flash the roles need 5 layers: 1 (window + Engram), 2 (Full, m = 2), 3 (Reuse), 20 (Full,
+    m = 1, the decoder's kv and candidate source), 24 (Reindex). Engram hashing is seeded by layer
+    id, so a renumbered Engram layer hashes differently from the full model's."""
+    ids = truncated_layer_ids(c, n_layers)
+    new = {old: k for k, old in enumerate(ids)}
+    engram = [(new[i], rows) for i, rows in zip(c.engram_layer_ids, c.engram_num_embeddings) if i in new]
+    return c.replace(
+        n_layers=len(ids), n_mtp_layers=0, dspark_block_size=0, dspark_target_layer_ids=[],
+        n_encoder_layers=sum(1 for i in ids if i < c.encoder_layers),
+        compress_ratios=[c.compress_ratios[i] for i in ids],
+        kv_source_layers=[new[i] for i in c.kv_source_layers if i in new],
+        index_source_layers=[new[i] for i in c.index_source_layers if i in new],
+        candidate_source_layer=new.get(c.candidate_source_layer, -1) if c.candidate_source_layer >= 0 else -1,
+        engram_layer_ids=[i for i, _ in engram], engram_num_embeddings=[rows for _, rows in engram],
+    )
 
 
 # ---------------------------------------------------------------------- loading

@@ -47,8 +47,7 @@ def _engine_with_running(seed: int, lengths=(20, 47, 9)) -> Engine:
 
 def _fill(engine: Engine) -> tuple[int, dict[int, int]]:
     io = engine.io
-    for b, seq in enumerate(engine.running):
-        io.fill(b, seq.cache, seq.next_token)
+    io.fill_batch([s.cache for s in engine.running], [s.next_token for s in engine.running])
     B = len(engine.running)
     io.send()
     return B, io.max_entries(B)
@@ -116,19 +115,33 @@ def test_decode_step_op_count_is_reported(capsys):
     assert counter.total > 0
 
 
-def test_fill_batch_writes_what_row_by_row_fill_writes():
-    """The batched host fill (one write per field) = `fill` row by row: the same host buffer and the
-    same reserved entry rows, over enough steps that every source completes entries and takes pages."""
-    a, b = _engine_with_running(63, lengths=(20, 47, 9, 30)), _engine_with_running(63, lengths=(20, 47, 9, 30))
+def test_fill_batch_writes_each_field_from_its_formula():
+    """The host buffer of a decode step, row by row from the definitions: token, position = tokens
+    cached, slot, the k previous tokens (−1 before the start), and per kv source of ratio m the entry
+    count after the step and the pool row of the entry the token completes — page id · R + offset of
+    entry n_entries in its page — when (position + 1) % m == 0, else −1. Over enough steps that every
+    source completes entries and crosses pages."""
+    engine = _engine_with_running(63, lengths=(20, 47, 9, 30))
+    io, k = engine.io, engine.io.k
+    completed = 0
     for step in range(12):
-        sa, sb = a.running, b.running
-        for i, seq in enumerate(sa):
-            a.io.fill(i, seq.cache, seq.next_token)
-        b.io.fill_batch([s.cache for s in sb], [s.next_token for s in sb])
-        B = len(sa)
-        assert (a.io.view[:, :B] == b.io.view[:, :B]).all(), f"step {step}:\n{a.io.view[:, :B]}\n{b.io.view[:, :B]}"
-        for x, y in zip(sa, sb):
-            assert x.cache.pages == y.cache.pages
-            for seq in (x, y):  # the step's token joins the cache, as the engine's decode does
-                seq.cache.tokens.append(seq.next_token)
-                seq.next_token = (seq.next_token * 7 + step) % 997 + 3
+        seqs = engine.running
+        before = [{s: c.entry_stores[s].n_entries for s in io.sources} for c in (q.cache for q in seqs)]
+        io.fill_batch([q.cache for q in seqs], [q.next_token for q in seqs])
+        v = io.view
+        for b, q in enumerate(seqs):
+            c, pos = q.cache, q.cache.n_tokens
+            assert (v[io.TOK, b], v[io.POS, b], v[io.SLOT, b]) == (q.next_token, pos, c.slot)
+            hist = ([-1] * k + c.tokens[-k:])[-k:] if k else []
+            assert list(v[io.HIST:io.HIST + k, b]) == hist, (step, b)
+            for s in io.sources:
+                m, R, e = c.entry_stores[s].ratio, engine.pools.page_rows, before[b][s]
+                done = (pos + 1) % m == 0
+                want = c.pages[s][e // R] * R + e % R if done else -1
+                assert v[io.ROW[s], b] == want, (step, b, s, v[io.ROW[s], b], want)
+                assert v[io.CNT[s], b] == e + done
+                completed += done
+        for q in seqs:  # the step's token joins the cache, as the engine's decode does
+            q.cache.tokens.append(q.next_token)
+            q.next_token = (q.next_token * 7 + step) % 997 + 3
+    assert completed > 12 and all(len(p) > 1 for q in engine.running for p in q.cache.pages.values())

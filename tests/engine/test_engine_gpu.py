@@ -65,8 +65,7 @@ def test_the_static_decode_step_never_syncs_with_the_host():
     while any(s.prefilling or s.next_token is None for s in seqs):
         engine.step()
     io = engine.io
-    for b, s in enumerate(seqs):
-        io.fill(b, s.cache, s.next_token)
+    io.fill_batch([s.cache for s in seqs], [s.next_token for s in seqs])
     io.send()
     n_max = io.max_entries(len(seqs))
     torch.cuda.synchronize()

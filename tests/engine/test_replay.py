@@ -39,11 +39,13 @@ def recorded_calls():
     calls: list[dict] = []
     forward, produce = Runner.forward, Runner.produce
 
-    def rec_forward(self, seqs, tokens, start, layers, h=None, pre_mix=None, *, replay_start=None, compress=True):
+    def rec_forward(self, seqs, tokens, start, layers, h=None, pre_mix=None, *, replay_start=None, compress=True,
+                    **images):  # image_mask / image_embeds (vision models) pass through
         first = int(start[0]) if not isinstance(start, torch.Tensor) else int(start.view(-1)[0])
         calls.append(dict(kind="forward", layers=(layers.start, layers.stop), start=first, n=tokens.size(1),
                           compress=compress, replay_start=None if replay_start is None else int(replay_start[0])))
-        return forward(self, seqs, tokens, start, layers, h, pre_mix, replay_start=replay_start, compress=compress)
+        return forward(self, seqs, tokens, start, layers, h, pre_mix, replay_start=replay_start, compress=compress,
+                       **images)
 
     def rec_produce(self, layer_id, seqs, h, pre_mix, start):
         first = int(start[0]) if not isinstance(start, torch.Tensor) else int(start.view(-1)[0])

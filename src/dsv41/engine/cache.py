@@ -72,8 +72,6 @@ class PagedRows:
         self.cache.ensure_pages(self.layer_id, first + n)
         self.n_rows += n
         R, pages = self.page_rows, self.page_ids
-        if n == 1:  # the decode step's case
-            return [pages[first // R] * R + first % R]
         return [pages[i // R] * R + i % R for i in range(first, first + n)]
 
     def reserve_ids(self, n: int) -> Tensor:

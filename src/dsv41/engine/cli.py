@@ -2,6 +2,13 @@
 
     dsv41 generate --checkpoint DIR --prompt "Once upon a time" --max-tokens 64
     dsv41 generate --preset tiny --random-init --prompt "hello"
+    dsv41 generate --checkpoint models/dsv41-tiny-vl --image shoe.png --prompt ""      # caption an image
+    dsv41 generate --checkpoint models/dsv41-tiny-vl --chat --image shoe.png --prompt "What is in this image?"
+
+Images (`--image FILE`, repeatable, in order) go where the prompt says `<image>`, else right after <bos>
+(with --chat: at the start of the user message); each becomes its span of image positions (SPEC §5).
+--chat renders the prompt as one user message of the chat template, as the server does for
+`/v1/chat/completions` (the same ids for the same text and images).
 
 The summary line (stderr) reports prompt tokens, prefill milliseconds, decode tokens per second and
 the measured global KV bytes per token of the sequence's cache.
@@ -32,7 +39,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--random-init", action="store_true", help="with --preset: random weights, no checkpoint")
     p.add_argument("--tokenizer", type=Path, metavar="PATH",
                    help="tokenizer.json (default: the checkpoint's, else the shipped one)")
-    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--prompt", required=True, help="prompt text ('<image>' marks where each --image goes)")
+    p.add_argument("--image", action="append", type=Path, default=[], metavar="FILE",
+                   help="an image file (PNG, JPEG, WEBP, GIF, BMP); repeat for several, in prompt order")
+    p.add_argument("--chat", action="store_true", help="render the prompt as a user message of the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
@@ -102,6 +112,47 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     raise ConfigError("give --checkpoint DIR, or --preset NAME with --random-init")
 
 
+IMAGE_TAG = "<image>"
+
+
+def read_images(paths: list[Path], config) -> list:
+    """The processor's inputs of image files; an unreadable or bad image is a ConfigError (exit 2)."""
+    if not paths:
+        return []
+    from dsv41.image_processor import ImageError, decode_image
+
+    if not config.vision_enabled:
+        raise ConfigError("--image: this model has no vision encoder (vision_n_layers = 0)")
+    out = []
+    for path in paths:
+        try:
+            out.append(decode_image(Path(path).read_bytes(), config))
+        except OSError as e:
+            raise ConfigError(f"--image {path}: cannot read it ({e.strerror or e})") from None
+        except ImageError as e:
+            raise ConfigError(f"--image {path}: {e}") from None
+    return out
+
+
+def prompt_ids(tok, text: str, n_images: int, image_token_id: int, chat: bool = False) -> list[int]:
+    """Prompt ids with one `image_token_id` placeholder per image: at each '<image>' of the text, else all at
+    the start (after <bos>, or of the user message with `chat`)."""
+    tags = text.count(IMAGE_TAG)
+    if n_images and tags not in (0, n_images):
+        raise ConfigError(f"the prompt has {tags} '{IMAGE_TAG}' marks for {n_images} --image files")
+    if not n_images and not chat:
+        return tok.encode(text, add_bos=True)
+    import secrets
+
+    from dsv41.image_processor import chat_ids_with_images
+    from dsv41.train.tokenizer import BOS, chat_segments
+
+    marker = f"\x00image-{secrets.token_hex(8)}\x00"
+    body = text.replace(IMAGE_TAG, marker) if tags else marker * n_images + text
+    segments = chat_segments([{"role": "user", "content": body}]) if chat else [(BOS, True), (body, False)]
+    return chat_ids_with_images(tok, segments, image_token_id, marker)
+
+
 def run(args: argparse.Namespace) -> int:
     from dsv41.engine.engine import Engine
     from dsv41.engine.sampling import SamplingParams
@@ -114,12 +165,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model, tok = load_model_and_tokenizer(args)
-    prompt = tok.encode(args.prompt, add_bos=True)
+    images = read_images(getattr(args, "image", []), model.config)
+    prompt = prompt_ids(tok, args.prompt, len(images), model.config.image_token_id, getattr(args, "chat", False))
+    if images:
+        from dsv41.image_processor import expand_placeholders
+
+        prompt = expand_placeholders(prompt, images, model.config.image_token_id)
     if len(prompt) > model.config.max_seq_len:
         raise ConfigError(f"prompt has {len(prompt)} tokens, more than the model's context {model.config.max_seq_len}")
-    params.stop_token_ids = [tok.eos_id]
+    params.stop_token_ids = [tok.eos_id] + ([tok.end_turn_id] if getattr(args, "chat", False) else [])
     engine = Engine(model, prefill_chunk=args.prefill_chunk)
-    req = engine.add_request(prompt, params, exact_prefill=args.exact_prefill)
+    try:
+        req = engine.add_request(prompt, params, exact_prefill=args.exact_prefill, images=images or None)
+    except ValueError as e:  # images that do not fit the prompt
+        raise ConfigError(str(e)) from None
     shown = ""
     t0 = time.perf_counter()
     while not req.finished:

@@ -26,8 +26,8 @@ from torch import Tensor
 from dsv41.engine.block_manager import PAGE_ROWS, BlockManager
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.graphs import DecodeGraphs
-from dsv41.engine.prefill import PrefillJob
-from dsv41.engine.prefix import PrefixCache
+from dsv41.engine.prefill import PrefillJob, encode_prompt_images
+from dsv41.engine.prefix import PrefixCache, image_namespace
 from dsv41.engine.runner import DecodeIO, Runner
 from dsv41.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
 from dsv41.engine.scheduler import Scheduler
@@ -116,8 +116,13 @@ class Engine:
         return list(self.scheduler.waiting)
 
     def add_request(self, prompt: list[int], params: SamplingParams | None = None,
-                    exact_prefill: bool | None = None, namespace: str | bytes | None = None) -> Sequence:
-        """Queue a request; `namespace` keys its prefix-cache entries (a tenant never hits another's)."""
+                    exact_prefill: bool | None = None, namespace: str | bytes | None = None,
+                    images: list | None = None) -> Sequence:
+        """Queue a request; `namespace` keys its prefix-cache entries (a tenant never hits another's).
+        `images` (`image_processor.ImageInput`, in order) fill the prompt's image spans (runs of
+        `image_token_id`, `image_processor.expand_placeholders`): they are encoded here (the vision
+        stage, `prefill.encode_prompt_images`), enter at prefill, and their content hashes join the
+        prefix-cache namespace. Raises ValueError (`ImageError`) when they do not fit the prompt."""
         if not prompt:
             raise ValueError("prompt must hold at least one token")
         bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
@@ -125,10 +130,17 @@ class Engine:
             raise ValueError(f"token id {bad[0]} outside the vocabulary (0..{self.config.vocab_size - 1})")
         if len(prompt) >= self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_seq_len={self.max_seq_len}")
+        prompt_images = None
+        if images:
+            prompt_images = encode_prompt_images(self.model, list(prompt), images)
+            namespace = image_namespace(namespace, prompt_images.hashes)
+        elif self.config.vision_enabled and self.config.image_token_id in prompt:
+            raise ValueError(f"the prompt holds image tokens (id {self.config.image_token_id}) but no images")
         params = params or SamplingParams()
         seq = Sequence(next(self._ids), list(prompt), params,
                        self.exact_prefill if exact_prefill is None else exact_prefill,
-                       generator=make_generator(params.seed, self.device), namespace=namespace)
+                       generator=make_generator(params.seed, self.device), namespace=namespace,
+                       images=prompt_images)
         self.scheduler.add(seq)
         return seq
 
@@ -202,11 +214,13 @@ class Engine:
         use_cache = self.prefix_cache is not None and not seq.exact_prefill
         resume = self.prefix_cache.resume(cache, seq.prompt, namespace=seq.namespace) if use_cache else None
         if resume is None:
-            seq.job = PrefillJob(self.runner, cache, seq.prompt, chunk=self.prefill_chunk, exact=seq.exact_prefill)
+            seq.job = PrefillJob(self.runner, cache, seq.prompt, chunk=self.prefill_chunk, exact=seq.exact_prefill,
+                                 images=seq.images)
         else:
             seq.cached_tokens, seq.replayed_tokens = resume.cached_tokens, resume.encoder_replay
             seq.job = PrefillJob(self.runner, cache, seq.prompt[resume.cached_tokens:], chunk=self.prefill_chunk,
-                                 encoder_replay=resume.encoder_replay, decoder_windows_valid=resume.exact)
+                                 encoder_replay=resume.encoder_replay, decoder_windows_valid=resume.exact,
+                                 images=seq.images)
 
     def preempt(self, seq: Sequence) -> None:
         seq.swapped = seq.cache.swap_out()
@@ -318,10 +332,11 @@ class Engine:
 
     # ------------------------------------------------------------------ simple API
     def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
-                 exact_prefill: bool = False, **sampling) -> list[list[int]]:
-        """Generate for each prompt; returns the new token ids (stop ids excluded)."""
+                 exact_prefill: bool = False, images: list[list] | None = None, **sampling) -> list[list[int]]:
+        """Generate for each prompt (with its images, when given); returns the new token ids (stop ids excluded)."""
+        images = images or [None] * len(prompts)
         seqs = [self.add_request(p, SamplingParams(temperature=temperature, max_tokens=max_tokens, **sampling),
-                                 exact_prefill) for p in prompts]
+                                 exact_prefill, images=im) for p, im in zip(prompts, images)]
         while any(not s.finished for s in seqs):
             self.step()
         return [s.output for s in seqs]

@@ -11,11 +11,21 @@ design. Cost ≈ N·L/2 + n_win·L/2 layers.
 
 Exact prefill runs all layers over all tokens (the reference's behaviour), for comparison.
 
+Images (SPEC §5) enter only here, never in the decode step: `encode_prompt_images` is the vision
+stage (ViT + aligner + span embeddings for a prompt's images — its own function, so it can run on
+other workers: the EPD split); its `PromptImages` (embeddings at absolute prompt positions) ride
+with the job, and every piece that starts at layer 0 — encoder chunks, the encoder replay after a
+prefix hit, exact chunks — takes the rows of its own positions. The decoder replay starts from
+encoder outputs and needs only the image mask (`bias_vl` routing).
+
 `PrefillJob` is the per-request state machine (what the engine's scheduler advances a piece per
 step); `prefill` runs one to completion.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,6 +33,43 @@ from torch import Tensor
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.runner import Runner
 from dsv41.plan import FULL
+
+
+@dataclass
+class PromptImages:
+    """A prompt's image embeddings at their absolute positions (the vision stage's output)."""
+
+    positions: Tensor  # (M,) int64, increasing: every position of every image span
+    embeds: Tensor  # (M, dim) span embeddings, row m at positions[m]
+    hashes: tuple[str, ...]  # content hash per image (the prefix-cache key part)
+
+    def piece(self, lo: int, hi: int) -> tuple[Tensor | None, Tensor | None]:
+        """(image_mask (1, hi − lo), embeds (m, dim)) of positions [lo, hi); (None, None) when none
+        of them is an image position (the piece runs exactly as text)."""
+        inside = (self.positions >= lo) & (self.positions < hi)  # (M,)
+        if not bool(inside.any()):
+            return None, None
+        mask = torch.zeros(1, hi - lo, dtype=torch.bool, device=self.positions.device)
+        mask[0, self.positions[inside] - lo] = True
+        return mask, self.embeds[inside]
+
+
+@torch.no_grad()
+def encode_prompt_images(model, prompt: list[int], images: Sequence) -> PromptImages:
+    """The vision-encoding stage: `images` (`image_processor.ImageInput`, in prompt order) → their span
+    embeddings at the positions of their spans in `prompt` (each a run of `image_token_id` of the
+    image's length; raises `ImageError` when they do not fit). Needs only the weights."""
+    from dsv41.image_processor import image_positions
+    from dsv41.model.vision import encode_images
+
+    c = model.config
+    if not c.vision_enabled:
+        raise ValueError("this model has no vision encoder (vision_n_layers = 0): images are not accepted")
+    starts = image_positions(prompt, list(images), c.image_token_id)
+    device = next(model.parameters()).device
+    spans = encode_images(model, [im.patches.to(device) for im in images], [im.grid for im in images])
+    positions = torch.cat([torch.arange(s, s + im.n_positions, device=device) for s, im in zip(starts, images)])
+    return PromptImages(positions, torch.cat(spans), tuple(im.sha256 for im in images))
 
 
 def encoder_only_supported(runner: Runner) -> bool:
@@ -47,7 +94,8 @@ class PrefillJob:
     fp32 after the final piece, None before."""
 
     def __init__(self, runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,
-                 exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False):
+                 exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False,
+                 images: PromptImages | None = None):
         if not tokens:
             raise ValueError("prefill needs at least one token")
         if chunk < 1:
@@ -58,6 +106,7 @@ class PrefillJob:
         if self.exact and encoder_replay:
             raise ValueError("encoder replay needs encoder-only prefill")
         self.tokens = list(tokens)
+        self.images = images  # embeddings at absolute positions of the whole prompt (cached part included)
         self.start0 = seq.n_tokens
         self.n_total = self.start0 + len(tokens)
         self.first = self.start0 - encoder_replay  # first position run (replayed tokens come first)
@@ -123,8 +172,10 @@ class PrefillJob:
         seq, runner = self.seq, self.runner
         replayed = hi <= self.start0  # cached tokens run again: window KV only
         ids = seq.tokens[lo:hi] if replayed else self.tokens[lo - self.start0:hi - self.start0]
+        mask, embeds = self.images.piece(lo, hi) if self.images is not None else (None, None)
         h, pre_mix = runner.forward([seq], torch.tensor([ids], device=seq.device), [lo], self.layers,
-                                    replay_start=self.replay_start, compress=not replayed)
+                                    replay_start=self.replay_start, compress=not replayed, image_mask=mask,
+                                    image_embeds=embeds)
         c = runner.config
         enc = c.encoder_layers
         if not self.exact and not replayed and enc < c.n_layers and c.compress_ratios[enc] \
@@ -154,21 +205,23 @@ class PrefillJob:
         ids = seq.tokens[replay:self.n_total]
         start = torch.tensor([replay], device=seq.device)
         continue_windows = self.continue_windows and replay == self.start0
+        mask = self.images.piece(replay, self.n_total)[0] if self.images is not None else None
         h, pre_mix = runner.forward([seq], torch.tensor([ids], device=seq.device), [replay],
                                     range(c.encoder_layers, c.n_layers), self.tail_h[:, -n_replay:],
                                     self.tail_pre[:, -n_replay:], replay_start=None if continue_windows else start,
-                                    compress=False)
+                                    compress=False, image_mask=mask)
         self.done = True
         self.tail_h = self.tail_pre = None
         return runner.logits(h, pre_mix)[0]
 
 
 def prefill(runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,
-            exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False) -> Tensor:
+            exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False,
+            images: PromptImages | None = None) -> Tensor:
     """Process `tokens` (appended after what seq already holds); return the last position's
     logits (vocab,) fp32. See `PrefillJob`."""
     job = PrefillJob(runner, seq, tokens, chunk=chunk, exact=exact, encoder_replay=encoder_replay,
-                     decoder_windows_valid=decoder_windows_valid)
+                     decoder_windows_valid=decoder_windows_valid, images=images)
     while True:
         logits = job.step()
         if logits is not None:

@@ -31,6 +31,10 @@ Cached global KV is read as stored rows and appended as is: never recomputed, ne
 
 Namespaces reach the cache as `resume(..., namespace=)` / `save(..., namespace=)` (the engine passes
 each request's own); a `save` without one uses the namespace its sequence was resumed under.
+
+Images: every position of an image span holds the same placeholder id, so token ids alone cannot key
+a prompt with images. `image_namespace` folds the images' content hashes (in order) into the
+request's namespace: the same images with the same tokens share units, other images never hit.
 """
 
 from __future__ import annotations
@@ -89,6 +93,15 @@ class PrefixStats:
     broken_chains: int = 0
     extra: dict = field(default_factory=dict)
 
+
+
+def image_namespace(namespace: bytes | str | None, hashes: Sequence[str]) -> bytes | str | None:
+    """The namespace of a request with images: its own namespace plus the images' content hashes, in
+    prompt order (no images: the namespace unchanged)."""
+    if not hashes:
+        return namespace
+    ns = b"" if not namespace else namespace.encode() if isinstance(namespace, str) else bytes(namespace)
+    return len(ns).to_bytes(4, "little") + ns + b"\x00images\x00" + "\x00".join(hashes).encode()
 
 class UnitMemory:
     """Bounded LRU of decoded units (key hex → (tensors, meta)), shared by every sequence of the engine."""

@@ -61,6 +61,7 @@ class StepRecord:
     topk: Tensor | None = None  # (B, T, K) entry indices, −1 = none
     blocks: Tensor | None = None  # (B, T, kb) candidate block ids of the candidate source, −1 = none
     rotations: dict[bool, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    image_mask: Tensor | None = None  # (B, T) image positions of a prefill piece (bias_vl routing, dead for Engram)
 
     def angles(self, attn) -> tuple[Tensor, Tensor]:
         """cos, sin of the tokens' positions for a layer, computed once per forward for each of the two
@@ -83,13 +84,17 @@ class Runner:
     @torch.no_grad()
     def forward(self, seqs: list[SequenceCache], tokens: Tensor, start: Tensor | list[int], layers: range,
                 h: Tensor | None = None, pre_mix: Tensor | None = None, *, replay_start: Tensor | None = None,
-                compress: bool = True) -> tuple[Tensor, Tensor]:
+                compress: bool = True, image_mask: Tensor | None = None,
+                image_embeds: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Run `layers` over tokens (B, T) at positions start[b] + t. Starting at layer 0 embeds the
-        tokens; otherwise (h, pre_mix) are the streams entering layers.start. Tokens before
+        tokens — the M True positions of `image_mask` (B, T) taking `image_embeds` (M, dim), the vision
+        stage's output (`prefill.encode_prompt_images`); otherwise (h, pre_mix) are the streams entering
+        layers.start. Image positions route with `bias_vl` and are dead for Engram. Tokens before
         start[b] must already be in seqs[b].tokens (Engram history)."""
         record = self.host_record(seqs, start, tokens.size(1), replay_start=replay_start, compress=compress,
                                   history=any(self.plans[i].engram for i in layers))
-        return self._layers(record, tokens, layers, h, pre_mix)
+        record.image_mask = image_mask
+        return self._layers(record, tokens, layers, h, pre_mix, image_embeds)
 
     def host_record(self, seqs: list[SequenceCache], start: Tensor | list[int], T: int, *,
                     replay_start: Tensor | None = None, compress: bool = True, history: bool = True) -> StepRecord:
@@ -106,7 +111,7 @@ class Runner:
             k = self.config.engram_max_ngram_size - 1
             rows = []
             for s, st in zip(seqs, start):
-                prev = s.tokens[max(0, st - k):st]
+                prev = engram_history(s.tokens[max(0, st - k):st], self.config)
                 rows.append([-1] * (k - len(prev)) + prev)
             hist = torch.tensor(rows, dtype=torch.long, device=device)  # (B, k)
         W = self.config.window_size
@@ -139,25 +144,28 @@ class Runner:
 
     # ------------------------------------------------------------------ the layer stack
     def _layers(self, record: StepRecord, tokens: Tensor, layers: range, h: Tensor | None = None,
-                pre_mix: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                pre_mix: Tensor | None = None, image_embeds: Tensor | None = None) -> tuple[Tensor, Tensor]:
         model, c = self.model, self.config
+        image_mask = record.image_mask  # None in the decode step: text tokens only
         if layers.start == 0:
-            h = model.embed(tokens).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)  # (B, T, n, d)
+            x = model.embed(tokens) if image_embeds is None else model.embed_tokens(tokens, image_mask, image_embeds)
+            h = x.unsqueeze(2).repeat(1, 1, c.hc_mult, 1)  # (B, T, n, d)
             pre_mix = identity_pre_mix(h, c.hc_mult)
         hash_ids = None
         if any(self.plans[i].engram for i in layers):
-            hash_ids = model.hasher(tokens, history=record.history)  # (B, T, n_engram_layers, cols)
+            hash_ids = model.hasher(tokens, history=record.history, dead_mask=image_mask)  # (B, T, n_engram, cols)
         entry = None  # (input, mixes) the previous block's last fused pass made for the next block
         for i in layers:
             block = model.layers[i]
             if block.engram is not None:
-                h = block.engram(h, hash_ids[:, :, model.engram_index[i]])
+                h = block.engram(h, hash_ids[:, :, model.engram_index[i]], None if image_mask is None else ~image_mask)
                 entry = None
 
             def attention(x: Tensor, i: int = i) -> Tensor:
                 return self.attention(i, x, record)
 
-            h, pre_mix, entry = block(h, pre_mix, attention, entry=entry, next_fn=model.next_fn(i, layers.stop - 1))
+            h, pre_mix, entry = block(h, pre_mix, attention, image_mask=image_mask, entry=entry,
+                                      next_fn=model.next_fn(i, layers.stop - 1))
         return h, pre_mix
 
     # ------------------------------------------------------------------ attention with caches
@@ -308,6 +316,13 @@ class Runner:
         return ops.topk_indices(scores, attn.index_topk)
 
 
+def engram_history(prev: list[int], config) -> list[int]:
+    """Engram history ids: image positions are dead (−1), as in training (`NgramHasher(dead_mask=)`)."""
+    if not config.vision_enabled:
+        return prev
+    return [-1 if t == config.image_token_id else t for t in prev]
+
+
 class DecodeIO:
     """Persistent buffers of the static decode step for up to `max_batch` rows.
 
@@ -346,25 +361,9 @@ class DecodeIO:
         for s in self.sources:
             v[self.ROW[s], first:last] = -1
 
-    def fill(self, b: int, cache: SequenceCache, token: int) -> None:
-        """Row b decodes `token` at the end of `cache` (reserving the entry rows it completes)."""
-        v = self.view
-        pos = cache.n_tokens
-        v[self.TOK, b], v[self.POS, b], v[self.SLOT, b] = token, pos, cache.slot
-        if self.k:
-            prev = cache.tokens[-self.k:] if pos else []
-            v[self.HIST:self.HIST + self.k, b] = -1
-            if prev:
-                v[self.HIST + self.k - len(prev):self.HIST + self.k, b] = prev
-        for s in self.sources:
-            store = cache.entry_stores[s]
-            m = store.ratio
-            v[self.ROW[s], b] = store.reserve(1)[0] if (pos + 1) % m == 0 else -1
-            v[self.CNT[s], b] = store.n_entries
-
     def fill_batch(self, caches: list[SequenceCache], tokens: list[int]) -> None:
-        """`fill` for rows 0..B-1 at once: one host write per field instead of several per row (the
-        host side of a decode step at batch 64 is otherwise ~20 µs per row)."""
+        """Row b decodes tokens[b] at the end of caches[b], for b < B (reserving the entry rows the step
+        completes). One host write per field for the whole batch (per-row writes cost ~20 µs a row)."""
         v, B = self.view, len(caches)
         positions = [c.n_tokens for c in caches]
         v[self.TOK, :B] = tokens
@@ -374,7 +373,7 @@ class DecodeIO:
         if k:
             pad = [-1] * k
             # (B, k): the k tokens before each row's token, left-padded with -1 near the start
-            hist = [(pad + c.tokens[-k:])[-k:] if c.tokens else pad for c in caches]
+            hist = [(pad + engram_history(c.tokens[-k:], self.config))[-k:] if c.tokens else pad for c in caches]
             v[self.HIST:self.HIST + k, :B] = np.asarray(hist, dtype=np.int64).T
         for s in self.sources:
             stores = [c.entry_stores[s] for c in caches]

@@ -21,7 +21,7 @@ from dsv41.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:  # keep this module importable without torch-heavy imports
     from dsv41.engine.cache import SequenceCache
-    from dsv41.engine.prefill import PrefillJob
+    from dsv41.engine.prefill import PrefillJob, PromptImages
 
 
 class SequenceStatus(enum.Enum):
@@ -39,6 +39,7 @@ class Sequence:
     exact_prefill: bool = False
     generator: Any = None  # the request's torch.Generator (sampling)
     namespace: str | bytes | None = None  # prefix-cache namespace (tenant, cache salt)
+    images: PromptImages | None = None  # the prompt's image embeddings (vision stage output), used at prefill
     status: SequenceStatus = SequenceStatus.WAITING
     output: list[int] = field(default_factory=list)  # sampled tokens shown to the user
     next_token: int | None = None  # sampled, not yet run through the model

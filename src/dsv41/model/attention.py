@@ -209,8 +209,10 @@ def attend_gathered(q: Tensor, window_kv: Tensor, window_mask: Tensor, entries: 
     return o.to(q.dtype)
 
 
-def indexer_kl(q: Tensor, entries: Tensor, allowed: Tensor, index_scores: Tensor, scale: float) -> Tensor:
-    """KL(main attention over allowed entries ‖ softmax(index scores)), mean over queries with any entry.
+def indexer_kl(q: Tensor, entries: Tensor, allowed: Tensor, index_scores: Tensor, scale: float,
+               n_queries: Tensor | None = None) -> Tensor:
+    """KL(main attention over allowed entries ‖ softmax(index scores)), mean over queries with any entry
+    (or summed and divided by `n_queries` when the queries are split over devices).
 
     The target is detached: heads' probabilities summed and renormalized (SPEC §3 decision)."""
     has_any = allowed.any(-1)  # (B, T)
@@ -223,7 +225,9 @@ def indexer_kl(q: Tensor, entries: Tensor, allowed: Tensor, index_scores: Tensor
         target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
     log_pred = torch.log_softmax(index_scores.double().masked_fill(~allowed, float("-inf")), dim=-1)
     kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred), torch.zeros_like(target))
-    return kl.sum(-1)[has_any].mean().to(index_scores.dtype)
+    per_query = kl.sum(-1)[has_any]
+    loss = per_query.mean() if n_queries is None else per_query.sum() / n_queries.clamp_min(1)
+    return loss.to(index_scores.dtype)
 
 
 class Attention(nn.Module):
@@ -296,23 +300,26 @@ class Attention(nn.Module):
         entries = entry_mask = None
         if self.ratio:
             entries, entry_mask = self._compressed(x, qr, q, ctx)
-        o = attend(q, window_kv, ctx.window_mask(self.window), entries, entry_mask, self.attn_sink, self.scale)
+        keys, window_mask = ctx.window_keys(window_kv, self.window)
+        o = attend(q, keys, window_mask, entries, entry_mask, self.attn_sink, self.scale)
         return self.output(o, cos, sin)
 
     def _compressed(self, x: Tensor, qr: Tensor, q: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         shared, mode = ctx.shared, self.plan.mode
-        if mode == FULL:
-            slots = ctx.slots(self.ratio)
-            latent = self.compressor(x, slots.token)
-            shared.kv, shared.index_k = self.entries(latent, slots.first_position)
-            shared.slots, shared.kv_source = slots, self.layer_id
+        if mode == FULL:  # this device's own entries (all of them unless the sequence is split)
+            own = ctx.own_slots(self.ratio)
+            latent = self.compressor(ctx.compressor_input(x, self.ratio), own.token)
+            shared.kv, shared.index_k = self.entries(latent, own.first_position)
+            shared.latent, shared.slots, shared.kv_source = latent, ctx.slots(self.ratio), self.layer_id
         slots = shared.slots
+        kv = ctx.gather_entries(shared.kv, self.ratio)  # (B, N, D) every slot, in slot order
         visible = ctx.visible(self.ratio)  # (B, T, N)
         allowed = visible
         if mode in (FULL, REINDEX):
             cos, sin = self.angles(ctx.positions)
             iq = self.indexer.queries(qr.detach(), cos, sin, self.qat)
-            scores = Indexer.scores(iq, self.indexer.head_weights(x.detach()), shared.index_k)
+            index_k = ctx.gather_entries(shared.index_k, self.ratio)
+            scores = Indexer.scores(iq, self.indexer.head_weights(x.detach()), index_k)
             scores = scores.masked_fill(~visible, float("-inf"))
             if self.plan.candidate_source:
                 shared.candidates = self._candidates(scores, visible, slots)
@@ -325,14 +332,15 @@ class Attention(nn.Module):
             if ctx.training_losses:
                 # the KL's entry set (config `indexer_kl_set`): this layer's top-k, or all it may select
                 kl_set = allowed if self.kl_set == "allowed" else topk_mask(shared.topk, allowed.size(-1)) & allowed
-                ctx.indexer_losses.append(indexer_kl(q.detach(), shared.kv.detach(), kl_set, scores, self.scale))
+                n_queries = ctx.count_queries(kl_set.any(-1))
+                ctx.indexer_losses.append(indexer_kl(q.detach(), kv.detach(), kl_set, scores, self.scale, n_queries))
         selected = topk_mask(shared.topk, slots.token.size(1)) & visible
         if ctx.trace is not None:
-            ctx.trace.append(dict(layer=self.layer_id, mode=mode, kv_source=shared.kv_source, kv=shared.kv,
+            ctx.trace.append(dict(layer=self.layer_id, mode=mode, kv_source=shared.kv_source, kv=kv,
                                   topk_source=shared.topk_source, topk=shared.topk, allowed=allowed,
                                   candidates=shared.candidates if mode == REINDEX else None,
                                   reused=mode == REUSE))
-        return shared.kv, selected
+        return kv, selected
 
     def _candidates(self, scores: Tensor, visible: Tensor, slots) -> Tensor:
         """Candidate blocks of `candidate_block_size` entries, counted inside each document."""

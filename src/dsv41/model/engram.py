@@ -15,7 +15,8 @@ Two halves:
   normalized dot product of the stream with its key, squashed by a sigmoid.
 
 Names and numerics follow the official reference, so its ``layers.N.engram.*`` weights load as
-they are (after the loader dequantizes the FP8 table into ``embed.weight``).
+they are (after the loader dequantizes the FP8 table into ``embed.weight``, or keeps it FP8 for
+``weights="as-released"``, `dsv41.model.released`).
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ class Engram(nn.Module):
             hash_ids = hash_ids[:, :, self.engram_index]
         B, T = hash_ids.shape[:2]
         rows = self.embed(hash_ids).flatten(-2)  # (B, T, n_cols * head_dim)
-        kv = F.linear(rows.to(self.wkv.weight.dtype), self.wkv.weight)  # (B, T, (hc + 1) * dim)
+        kv = self.wkv(rows)  # (B, T, (hc + 1) * dim); a module call, so `dsv41.model.released` can swap it
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         key = key.reshape(B, T, self.hc_mult, self.dim).float()  # (B, T, hc, dim)
         w = (self.q_weight * self.k_weight).float()  # (hc, dim)

@@ -32,7 +32,7 @@ and 6,023 / 3,021.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Literal
 
 import torch
@@ -328,6 +328,13 @@ class MoE(nn.Module):
         self.shared_experts = Expert(config.dim, config.moe_inter_dim, config.swiglu_limit)
         self.last_load: dict[str, Tensor] | None = None
         self.last_balance_loss: Tensor | None = None
+        # Hooks for parallelism applied from outside (`dsv41.parallel`); None on one device.
+        # expert_dispatch(moe, x (N, dim), weights (N, k), indices (N, k)) → routed sum (N, dim) fp32
+        # (expert parallelism: tokens travel to the rank holding their experts and back).
+        self.expert_dispatch: Callable[[MoE, Tensor, Tensor, Tensor], Tensor] | None = None
+        # sequence_reduce(t) sums per-sequence statistics over the ranks that hold parts of each
+        # sequence (context parallelism), so the balance loss sees whole sequences.
+        self.sequence_reduce: Callable[[Tensor], Tensor] | None = None
 
     def forward(
         self, x: Tensor, image_mask: Tensor | None = None, token_mask: Tensor | None = None
@@ -340,6 +347,9 @@ class MoE(nn.Module):
             image_mask = None  # a text-only model routes every token with `bias`
         img = image_mask.reshape(B * T) if image_mask is not None else None  # (N,)
         weights, indices, scores = self.gate(flat, img)  # (N, k), (N, k), (N, E)
+        if self.expert_dispatch is not None:
+            y = self.expert_dispatch(self, flat, weights, indices) + self.shared_experts(flat).float()
+            return self._finish(y, x, scores, indices, img, token_mask)
         if self.moe_impl == "dense":
             route = torch.zeros_like(scores).scatter_(1, indices, weights)  # (N, E) weight of each chosen expert
             y = self.experts.dense(flat, route) + self.shared_experts(flat).float()
@@ -403,6 +413,8 @@ class MoE(nn.Module):
         chosen = torch.zeros(B, E, device=scores.device).scatter_add_(
             1, indices.reshape(B, T * k), m[:, :, None].expand(B, T, k).reshape(B, T * k)
         )  # (B, E) selections per expert
+        if self.sequence_reduce is not None:  # counts of the whole sequence; p below stays this part's
+            chosen, n_tok = self.sequence_reduce(chosen), self.sequence_reduce(n_tok)
         denom = n_tok.clamp(min=1)
         f = chosen * (E / k) / denom[:, None]  # (B, E)
         probs = scores / scores.sum(dim=-1, keepdim=True)  # (B, T, E)
@@ -425,9 +437,15 @@ class MoE(nn.Module):
         for name, bias in (("text", self.gate.bias), ("image", self.gate.bias_vl)):
             if bias is None or name not in load:
                 continue
-            n = load[name].to(device=bias.device, dtype=torch.float32)  # (E,)
-            seen = (n.sum() > 0).float()  # no host sync: a zero step when the modality is absent
-            bias.add_(speed * seen * torch.sign(n.mean() - n))
+            bias.add_(bias_step(load[name].to(bias.device), speed))
+
+
+def bias_step(load: Tensor, speed: float) -> Tensor:
+    """The aux-loss-free bias change for one modality's per-expert load (E,): speed · sign(mean − load),
+    zero when the modality saw no token (no host sync)."""
+    n = load.to(torch.float32)  # (E,)
+    seen = (n.sum() > 0).float()
+    return speed * seen * torch.sign(n.mean() - n)
 
 
 def official_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:

@@ -49,6 +49,7 @@ class SharedAttention:
     """What the latest source layers published, plus who published it (for instrumentation)."""
 
     kv: Tensor | None = None  # (B, N, head_dim) entries after RoPE and FP4 fake-quant
+    latent: Tensor | None = None  # (B, N, head_dim) the same entries before RoPE (what a pipeline stage ships)
     index_k: Tensor | None = None  # (B, N, index_head_dim) index keys after RoPE and FP4 fake-quant
     slots: EntrySlots | None = None
     kv_source: int | None = None  # layer that produced kv / index_k
@@ -117,6 +118,29 @@ class ForwardContext:
         if key not in self._cache:
             self._cache[key] = self.slots(ratio).visible(self.doc_ids, self.token_index)
         return self._cache[key]
+
+    # ---------------------------------------------------------------- sequence-split hooks
+    # A single device holds the whole sequence, so these are identities. Context parallelism
+    # (`dsv41.parallel.context`) overrides them: halos from the previous rank, entries of other ranks.
+    def window_keys(self, kv: Tensor, window: int) -> tuple[Tensor, Tensor]:
+        """(keys (B, S, D), mask (B, T, S)) of the sliding window, from this layer's window KV (B, T, D)."""
+        return kv, self.window_mask(window)
+
+    def own_slots(self, ratio: int) -> EntrySlots:
+        """The entry slots whose groups this device compresses (all of them here)."""
+        return self.slots(ratio)
+
+    def compressor_input(self, x: Tensor, ratio: int) -> Tensor:
+        """The rows `own_slots(ratio).token` index into: the attention input x (B, T, dim) here."""
+        return x
+
+    def gather_entries(self, t: Tensor, ratio: int) -> Tensor:
+        """Per-slot tensors (B, N_own, ...) of the own slots of `ratio` → all slots (B, N, ...) in slot order."""
+        return t
+
+    def count_queries(self, has_any: Tensor) -> Tensor | None:
+        """Queries over which a per-query loss is averaged; None = those of this forward."""
+        return None
 
     def _window_mask(self, window: int) -> Tensor:
         t = self.token_index

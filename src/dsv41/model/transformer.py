@@ -12,6 +12,12 @@ layer's global KV is a projection of the encoder output, exactly as in the offic
 `Transformer.forward(tokens)` returns logits. `Transformer.losses(...)` is the training entry
 point: LM loss, indexer KL loss and MoE balance loss, separately, on packed batches whose
 documents never interact. Parameter names equal the official checkpoint's.
+
+Vision (SPEC §5, `model/vision.py`): a config with `vision_n_layers > 0` also builds the ViT
+(`vision`), the aligner (`aligner`) and the learned span embeddings (`image_start`, `image_end`,
+`image_newline`). `vision.encode_images` turns images into span embeddings; `forward` / `losses`
+take them as `image_embeds` (M, dim), placed in row-major order at the M True positions of
+`image_mask`, which also route with `bias_vl` and are dead for Engram.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dsv41.model.moe import MoE, official_parameters
 from dsv41.model.norm import RMSNorm
 from dsv41.model.sparse_attention import attention_forward as sparse_attention
 from dsv41.model.state import ForwardContext
+from dsv41.model.vision import Aligner, ViT, init_vision
 from dsv41.plan import LayerPlan, layer_plan
 
 
@@ -123,23 +130,48 @@ class Transformer(nn.Module):
         self.head = nn.Linear(c.dim, c.vocab_size, bias=False)
         self.hasher = NgramHasher(c) if c.engram_layer_ids else None
         self.engram_index = {layer: k for k, layer in enumerate(c.engram_layer_ids)}
+        # a block's last pass may project the next block's mixes (fused mHC); off when blocks live in
+        # separate shards or pipeline stages (`dsv41.parallel`), where the next hc_attn_fn is not at hand
+        self.fuse_across_blocks = True
+        self.vision: ViT | None = None
+        if c.vision_enabled:  # built after the text modules: a text model's initialization is unchanged
+            self.vision, self.aligner = ViT(c), Aligner(c)
+            self.image_start = nn.Parameter(torch.zeros(c.dim))
+            self.image_end = nn.Parameter(torch.zeros(c.dim))
+            self.image_newline = nn.Parameter(torch.zeros(c.dim))
 
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: Tensor, doc_ids: Tensor | None = None, image_mask: Tensor | None = None,
-                ctx: ForwardContext | None = None, attention: str = "dense") -> Tensor:
+                ctx: ForwardContext | None = None, image_embeds: Tensor | None = None,
+                attention: str = "dense") -> Tensor:
         """tokens (B, T) → logits (B, T, vocab) fp32. doc_ids (B, T) separates packed documents;
-        attention "dense" (the masked spec) or "sparse" (window band ∪ gathered top-k, same math)."""
+        image_embeds (M, dim) replace the embeddings at the M True positions of image_mask; attention
+        "dense" (the masked spec) or "sparse" (window band ∪ gathered top-k, same math)."""
         ctx = ctx or ForwardContext.build(tokens, doc_ids, attention=attention)
-        return self.head_logits(self.hidden(tokens, ctx, image_mask))
+        return self.head_logits(self.hidden(tokens, ctx, image_mask, image_embeds=image_embeds))
+
+    def embed_tokens(self, tokens: Tensor, image_mask: Tensor | None = None,
+                     image_embeds: Tensor | None = None) -> Tensor:
+        """Token embeddings (B, T, dim), image positions taking `image_embeds` (M, dim) in row-major order."""
+        x = self.embed(tokens)
+        if image_embeds is None:
+            return x
+        if image_mask is None or int(image_mask.sum()) != image_embeds.shape[0]:
+            n = None if image_mask is None else int(image_mask.sum())
+            raise ValueError(f"{image_embeds.shape[0]} image embeddings for {n} image positions")
+        return x.masked_scatter(image_mask.unsqueeze(-1), image_embeds.to(x.dtype))
 
     def hidden(self, tokens: Tensor, ctx: ForwardContext, image_mask: Tensor | None = None,
-               token_mask: Tensor | None = None) -> Tensor:
-        """Collapsed final hidden state (B, T, dim), before the final norm."""
-        hash_ids = None
-        if self.hasher is not None:
+               token_mask: Tensor | None = None, hash_ids: Tensor | None = None,
+               image_embeds: Tensor | None = None) -> Tensor:
+        """Collapsed final hidden state (B, T, dim), before the final norm. `hash_ids`: Engram addresses
+        computed beforehand (they depend on tokens only; a rank holding part of a sequence hashes the
+        whole rows)."""
+        if self.hasher is not None and hash_ids is None:
             hash_ids = self.hasher(tokens, doc_ids=ctx.doc_ids, dead_mask=image_mask)
         engram_mask = None if image_mask is None else ~image_mask
-        h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)  # (B, T, n, d)
+        x = self.embed_tokens(tokens, image_mask, image_embeds)
+        h = x.unsqueeze(2).repeat(1, 1, self.config.hc_mult, 1)  # (B, T, n, d)
         pre_mix = identity_pre_mix(h, self.config.hc_mult)
         entry = None
         for layer in self.layers:
@@ -156,7 +188,7 @@ class Transformer(nn.Module):
         last pass (it exists, is ≤ `last`, and no Engram touches the streams in between)."""
         nxt = layer_id + 1
         last = len(self.layers) - 1 if last is None else last
-        if nxt > last or self.layers[nxt].engram is not None:
+        if not self.fuse_across_blocks or nxt > last or self.layers[nxt].engram is not None:
             return None
         return self.layers[nxt].hc_attn_fn
 
@@ -166,15 +198,20 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ training entry point
     def losses(self, tokens: Tensor, targets: Tensor, doc_ids: Tensor | None = None,
                loss_mask: Tensor | None = None, image_mask: Tensor | None = None,
-               window_start: Tensor | None = None, attention: str = "dense") -> Losses:
+               window_start: Tensor | None = None, image_embeds: Tensor | None = None,
+               token_mask: Tensor | None = None, attention: str = "dense") -> Losses:
         """All layers on all tokens (ordinary causal LM). `loss_mask` (B, T) picks the target
-        positions; padding is excluded from the MoE statistics. `window_start` simulates bounded
-        replay (keys before it are hidden from the window). `attention`: "dense" or "sparse"."""
+        positions; `token_mask` (default: loss_mask) the tokens the MoE statistics count — pass the
+        non-padding positions when some real tokens are no targets (image positions). `window_start`
+        simulates bounded replay (keys before it are hidden from the window). `attention`: "dense" or
+        "sparse"."""
         ctx = ForwardContext.build(tokens, doc_ids, training_losses=True, window_start=window_start,
                                    attention=attention)
         if loss_mask is None:
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
-        logits = self.head_logits(self.hidden(tokens, ctx, image_mask, token_mask=loss_mask))
+        token_mask = loss_mask if token_mask is None else token_mask
+        hidden = self.hidden(tokens, ctx, image_mask, token_mask=token_mask, image_embeds=image_embeds)
+        logits = self.head_logits(hidden)
         n = int(loss_mask.sum().item())
         ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
         lm = (ce * loss_mask.flatten()).sum() / max(n, 1)
@@ -230,6 +267,8 @@ class Transformer(nn.Module):
             moe.gate.bias.zero_()
             if getattr(moe.gate, "bias_vl", None) is not None:
                 moe.gate.bias_vl.zero_()
+        if self.vision is not None:
+            init_vision(self, std)
         return self
 
     def num_parameters(self) -> int:

@@ -6,7 +6,8 @@
     Muon, head-wise     attn.wq_b (n_heads), attn.indexer.wq_b (index_n_heads),
                         key projections attn.wkv, *compressor.wkv, indexer.wk (one KV head ⇒ heads=1)
     Muon                every other matrix (wq_a, wo_a, wo_b, compressor.wgate, indexer.weights_proj,
-                        ffn.gate, experts, shared_experts, engram.wkv, mtp.N.main_proj, projector);
+                        ffn.gate, experts, shared_experts, engram.wkv, mtp.N.main_proj, the projector
+                        `aligner.w{1,2}`, the ViT's patch embedding, fused wqkv, wo and SwiGLU);
                         the stacked routed experts `ffn.experts.w{1,2,3}` (E, out, in) are E matrices,
                         each orthogonalized and scaled (0.18·√max(out, in)) on its own
     skipped             requires_grad=False (the MoE gate bias is updated by rule, not by gradient)
@@ -33,7 +34,7 @@ SINKHORN = (
     re.compile(r"^(mtp\.\d+\.)?(embed|head)\.weight$"),  # token embedding / prediction head (+ MTP copies)
     re.compile(r"(^|\.)engram\.embed\.weight$"),  # Engram n-gram tables
 )
-ADAMW_DECAY = (re.compile(r"norm\.weight$"),)  # RMSNorm gains are decayed (SPEC §7)
+ADAMW_DECAY = (re.compile(r"norm\.weight$"), re.compile(r"^vision\.blocks\.\d+\.norm[12]\.weight$"))  # RMSNorm gains
 ADAMW_NO_DECAY = (
     re.compile(r"(^|\.)attn_sink$"),
     re.compile(r"(^|\.)hc_\w+_(fn|base|scale)$"),  # mHC gating factors, even the 2-D hc_*_fn
@@ -53,7 +54,9 @@ KNOWN_MUON = (
     re.compile(r"(^|\.)ffn\.experts\.w[123]$"),  # GroupedExperts: (E, out, in), Muon per expert matrix
     re.compile(r"(^|\.)engram\.wkv\.weight$"),
     re.compile(r"(^|\.)mtp\.\d+\.(main_proj|[eh]_proj)\.weight$"),
-    re.compile(r"projector\..*weight$"),  # vision–language projector
+    re.compile(r"projector\..*weight$"),  # a vision–language projector by its generic name
+    re.compile(r"^aligner\.w[12]\.weight$"),  # ... and by the release's (`aligner`)
+    re.compile(r"^vision\.(patch_embed\.proj|blocks\.\d+\.(attn\.(wqkv|wo)|mlp\.w[12]))\.weight$"),  # ViT matrices
 )
 ENGRAM = re.compile(r"(^|\.)engram\.")
 

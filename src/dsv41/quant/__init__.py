@@ -2,6 +2,8 @@
 
 Real storage (uint8 codes + uint8 scale bytes) and fake quantization with a straight-through
 gradient for QAT; ``dequantize(quantize(x)) == fake_quant(x)`` bit for bit. SPEC §1a, §4.
+The release's products live beside them: `fp8_gemm` (activation quantization + FP8 GEMM with
+block scales) and `fp4_gemm` (FP8 activations × MXFP4 experts), each with a Triton kernel.
 """
 
 from dsv41.quant.fp4 import (
@@ -29,6 +31,8 @@ from dsv41.quant.fp8 import (
     fp8_block_dequantize_weight,
     fp8_block_quantize_weight,
     fp8_entry_bytes,
+    fp8_row_dequantize,
+    fp8_row_quantize,
     quantize_fp8,
 )
 
@@ -50,6 +54,8 @@ __all__ = [
     "fp8_block_dequantize_weight",
     "fp8_block_quantize_weight",
     "fp8_entry_bytes",
+    "fp8_row_dequantize",
+    "fp8_row_quantize",
     "mxfp4_dequantize_weight",
     "mxfp4_quantize_weight",
     "pack_nibbles",

@@ -200,3 +200,39 @@ def fp8_block_quantize_weight(w: Tensor, block: int = WEIGHT_BLOCK) -> tuple[Ten
     values = (tiles / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     values = values.view(rows * block, cols * block)[:out_dim, :in_dim].contiguous()
     return values.view(torch.uint8), scale_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Table rows (the release's Engram tables): E4M3 [rows, dim], one E8M0 scale per 32 channels of a
+# row, scales [rows, ceil(dim/32)]; a ragged last block is padded with zeros (never raises its amax).
+
+
+def fp8_row_quantize(w: Tensor, block: int = WEIGHT_BLOCK) -> tuple[Tensor, Tensor]:
+    """(rows, dim) float → (E4M3 bits uint8 (rows, dim), E8M0 bytes uint8 (rows, ceil(dim/b))).
+
+    Scale per block = ``2^ceil(log2(amax / 448))``, as for the weight tiles (a zero block gets 2^-126).
+    """
+    if w.dim() != 2:
+        raise ValueError(f"fp8_row_quantize: table must be 2-D, got shape {tuple(w.shape)}")
+    rows, dim = w.shape
+    cols = -(-dim // block)
+    padded = w.float().new_zeros(rows, cols * block)
+    padded[:, :dim] = w.float()
+    blocks = padded.view(rows, cols, block)  # (R, C, b)
+    scale_bytes = e8m0_scale(blocks.abs().amax(dim=-1), E4M3_MAX)  # (R, C)
+    values = (blocks / e8m0_to_float(scale_bytes)[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    values = values.view(rows, cols * block)[:, :dim]  # (R, dim): the padding cropped
+    return values.contiguous().view(torch.uint8), scale_bytes
+
+
+def fp8_row_dequantize(values: Tensor, scales: Tensor, block: int = WEIGHT_BLOCK,
+                       dtype: torch.dtype = torch.float32) -> Tensor:
+    """(E4M3 (..., dim), E8M0 (..., ceil(dim/b))) → (..., dim) in ``dtype`` (rows gathered or whole)."""
+    v = _as_bytes(values, "values")
+    s = _as_bytes(scales, "scales")
+    dim = v.shape[-1]
+    if s.shape != v.shape[:-1] + (-(-dim // block),):
+        raise ValueError(f"fp8_row_dequantize: scales shape {tuple(s.shape)} does not match values "
+                         f"{tuple(v.shape)} with block={block}")
+    factor = e8m0_to_float(s).repeat_interleave(block, dim=-1)[..., :dim]
+    return (v.view(torch.float8_e4m3fn).float() * factor).to(dtype)

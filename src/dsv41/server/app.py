@@ -214,12 +214,14 @@ def create_app(scheduler: Scheduler, tok, *, model_name: str, max_model_len: int
                api_key: str | list[str] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                metrics: ServerMetrics | None = None, allowed_hosts: list[str] | tuple[str, ...] = LOCAL_HOSTS,
                cors_origins: list[str] | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-               tokenize_workers: int = 2, max_concurrent_tokenize: int = 4) -> FastAPI:
+               tokenize_workers: int = 2, max_concurrent_tokenize: int = 4, image_limits=None,
+               max_images: int = 8) -> FastAPI:
     metrics = metrics or scheduler.metrics or ServerMetrics()
     metrics.bind(scheduler)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     serving = Serving(scheduler, tok, model_name=model_name, max_model_len=max_model_len,
-                      tokenize_workers=tokenize_workers, max_concurrent_tokenize=max_concurrent_tokenize)
+                      tokenize_workers=tokenize_workers, max_concurrent_tokenize=max_concurrent_tokenize,
+                      image_limits=image_limits, max_images=max_images)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

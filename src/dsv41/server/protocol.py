@@ -159,6 +159,21 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = STRICT
+    url: str  # data:image/<format>;base64,... only: the server never fetches a remote URL
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; every image uses the release's policy
+
+
+class ImagePart(BaseModel):
+    model_config = STRICT
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     model_config = STRICT
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
@@ -189,17 +204,22 @@ class Tool(BaseModel):
 class Message(BaseModel):
     model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None  # assistant history: what it thought (DeepSeek API field)
     reasoning_effort: Effort | None = None  # extension, assistant history: the effort it was generated with
     tool_calls: Annotated[list[ToolCallIn], Field(max_length=128)] | None = None  # assistant history
     tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # tool results
 
-    def text(self) -> str:
+    def text(self, image_marker: str = "") -> str:
+        """The message text; each image part becomes `image_marker` (dropped by default)."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "".join(p.text if isinstance(p, TextPart) else image_marker for p in self.content)
         return self.content or ""
+
+    def image_urls(self) -> list[str]:
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)] if isinstance(self.content, list) \
+            else []
 
 
 class ResponseFormat(BaseModel):
@@ -238,6 +258,8 @@ class ChatCompletionRequest(_Request):
             if m.reasoning_content is not None and m.role != "assistant":
                 raise APIError(400, "reasoning_content is only allowed on assistant messages",
                                param=f"messages.[{i}].reasoning_content")
+            if m.image_urls() and m.role != "user":
+                raise APIError(400, "image parts are only allowed in user messages", param=f"messages.[{i}].content")
 
     @property
     def effort(self) -> int | None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from dsv41.image_processor import expand_placeholders
 from dsv41.server import protocol as P
 from dsv41.server.detokenize import TextStream, ToolCall
 from dsv41.server.metrics import ServerMetrics
@@ -44,11 +46,13 @@ def _clean_entries(entries: list[dict]) -> list[dict]:
              "top_logprobs": [{**t, "logprob": _finite(t["logprob"])} for t in e["top_logprobs"]]} for e in entries]
 
 
-def chat_messages(req: P.ChatCompletionRequest) -> list[dict]:
-    """Request messages as the chat template's dicts (developer = system; efforts as integers)."""
+def chat_messages(req: P.ChatCompletionRequest, image_marker: str = "") -> list[dict]:
+    """Request messages as the chat template's dicts (developer = system; efforts as integers); each image
+    part becomes `image_marker` in its message's text (dropped by default)."""
     out = []
     for m in req.messages:
-        item: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        item: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                "content": m.text(image_marker)}
         if m.reasoning_content is not None:
             item["reasoning_content"] = m.reasoning_content
         if m.reasoning_effort is not None:
@@ -175,11 +179,15 @@ def register(app: FastAPI, serving: Serving, metrics: ServerMetrics, require_key
         req = P.parse_request(P.ChatCompletionRequest, await read_json(request))
         check_model(req.model)
         tools = req.offered_tools
-        ids = await serving.encode_chat(chat_messages(req), req.effort, tools)
+        images = await serving.decode_images([u for m in req.messages for u in m.image_urls()])
+        marker = f"\x00image-{secrets.token_hex(8)}\x00" if images else None  # no user text can contain it
+        ids = await serving.encode_chat(chat_messages(req, marker or ""), req.effort, tools, marker)
+        if images:
+            ids = expand_placeholders(ids, images, serving.scheduler.engine.config.image_token_id)
         params = serving.params(req, ids, req.requested_max_tokens, [tok.eos_id, tok.end_turn_id], "messages",
                                 req.logprob_count)
         streams = [TextStream(tok, req.stop_strings, split_reasoning=True, parse_tools=bool(tools)) for _ in params]
-        choices, queue = serving.submit(ids, params, namespace(request, req), streams)
+        choices, queue = serving.submit(ids, params, namespace(request, req), streams, images)
         rid, t = P.new_id("chatcmpl"), P.now()
         first = await serving.first_event(request, choices, queue)
         want_lp = req.logprobs is True

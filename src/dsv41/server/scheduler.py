@@ -98,6 +98,7 @@ class Ticket:
     arrival: float
     deadline: float | None
     namespace: str | None = None  # prefix-cache namespace (tenant)
+    images: list | None = None  # the prompt's images (image_processor.ImageInput), in order
     request: Any = None  # the engine's Request once admitted
     done: bool = False
     n_emitted: int = 0
@@ -130,7 +131,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ handler side (any thread)
     def submit(self, prompt: list[int], params: SamplingParams, deliver: Callable[[Event], None],
-               namespace: str | None = None) -> Ticket:
+               namespace: str | None = None, images: list | None = None) -> Ticket:
         if self.draining:
             raise ShuttingDown("the server is shutting down; retry on another instance")
         if self.max_seq_len is not None and len(prompt) >= self.max_seq_len:
@@ -141,7 +142,7 @@ class Scheduler:
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the server's waiting queue is full ({self.max_queue} requests); retry later")
             ticket = Ticket(next(self._ids), prompt, params, deliver, now,
-                            now + self.timeout_s if self.timeout_s else None, namespace)
+                            now + self.timeout_s if self.timeout_s else None, namespace, images)
             self._queue.append(ticket)
             self._cond.notify()
         return ticket
@@ -256,7 +257,8 @@ class Scheduler:
                 break
             self._queue.popleft()
             try:
-                head.request = self.engine.add_request(head.prompt, head.params, namespace=head.namespace)
+                head.request = self.engine.add_request(head.prompt, head.params, namespace=head.namespace,
+                                                       **({"images": head.images} if head.images else {}))
             except ValueError as e:  # validated upstream; a mismatch is still the client's input
                 self._close(head, Failure(400, str(e), "invalid_request_error"), "error")
                 continue

@@ -5,7 +5,11 @@
     so a huge prompt does not take cores from the engine thread;
   * request → `SamplingParams` (context and vocabulary checks, n choices with their own seeds);
   * `submit` of the n choices to the scheduler (one event queue, events tagged with the choice index), with the
-    request's prefix-cache namespace;
+    request's prefix-cache namespace and its images;
+  * images (chat content parts): data URLs only — a remote URL is refused (400, the server never fetches),
+    a malformed one is 400, one over the limits (`ImageLimits`: bytes, pixels; `max_images` per request) is
+    413; decoded on the worker pool; each image part of a user message becomes one `image_token_id` in the
+    template, widened to the image's span (`image_processor.expand_placeholders`);
   * `drive`: engine events → per-choice text deltas, tool calls, logprob entries, finish reasons and usage.
 
 The routes (`routes.py`) only shape these into OpenAI bodies and SSE chunks.
@@ -28,6 +32,14 @@ from typing import Any
 from fastapi import Request
 
 from dsv41.engine.sampling import SamplingParams
+from dsv41.image_processor import (
+    ImageError,
+    ImageLimits,
+    ImageTooLarge,
+    chat_ids_with_images,
+    data_url_bytes,
+    decode_image,
+)
 from dsv41.server import protocol as P
 from dsv41.server.detokenize import Delta, TextStream, TokenText, ToolCall
 from dsv41.server.scheduler import Failure, Finish, QueueFull, Scheduler, ShuttingDown, Ticket, Token, TooLarge
@@ -67,8 +79,9 @@ class Update:
 
 class Serving:
     def __init__(self, scheduler: Scheduler, tok, *, model_name: str, max_model_len: int, tokenize_workers: int = 2,
-                 max_concurrent_tokenize: int = 4):
+                 max_concurrent_tokenize: int = 4, image_limits: ImageLimits | None = None, max_images: int = 8):
         self.scheduler, self.tok = scheduler, tok
+        self.image_limits, self.max_images = image_limits or ImageLimits(), max_images
         self.model_name, self.max_model_len = model_name, max_model_len
         self.vocab_size = scheduler.engine.config.vocab_size
         self.token_text = TokenText(tok)
@@ -100,11 +113,44 @@ class Serving:
         self.check_text_length(len(text.encode("utf-8")), "prompt")
         return (await self.off_loop(self.tok.encode_batch, [text], True))[0]
 
-    async def encode_chat(self, messages: list[dict], effort: int | None, tools: list[dict] | None) -> list[int]:
-        literal = sum(len(t.encode("utf-8")) for t, control in chat_segments(messages, True, effort, tools)
-                      if not control)
+    async def encode_chat(self, messages: list[dict], effort: int | None, tools: list[dict] | None,
+                          image_marker: str | None = None) -> list[int]:
+        """Template ids; with `image_marker`, each occurrence of it in a message is one `image_token_id`."""
+        segments = chat_segments(messages, True, effort, tools)
+        literal = sum(len(t.encode("utf-8")) for t, control in segments if not control)
         self.check_text_length(literal, "messages")
-        return await self.off_loop(lambda: self.tok.encode_chat(messages, True, effort, tools))
+        if image_marker is None:
+            return await self.off_loop(lambda: self.tok.encode_chat(messages, True, effort, tools))
+        image_id = self.scheduler.engine.config.image_token_id
+        return await self.off_loop(chat_ids_with_images, self.tok, segments, image_id, image_marker)
+
+    # ------------------------------------------------------------------ images
+    async def decode_images(self, urls: list[str]) -> list:
+        """Data URLs → `ImageInput`s (the processor's policy) on the worker pool; every bad one is a 4xx."""
+        config = self.scheduler.engine.config
+        if not urls:
+            return []
+        if not config.vision_enabled:
+            raise P.APIError(400, f"the model {self.model_name} has no vision encoder and does not accept images",
+                             param="messages", code="images_not_supported")
+        if len(urls) > self.max_images:
+            raise P.APIError(413, f"{len(urls)} images in one request; at most {self.max_images} are accepted",
+                             param="messages", code="too_many_images")
+        limit = 4 * (self.image_limits.max_bytes + 2) // 3 + 64  # base64 of max_bytes plus a header
+        out = []
+        for i, url in enumerate(urls):
+            try:
+                if isinstance(url, str) and len(url) > limit:
+                    raise ImageTooLarge(f"the image data URL has {len(url)} characters, more than an image of "
+                                        f"{self.image_limits.max_bytes} bytes needs")
+                data = data_url_bytes(url)
+                out.append(await self.off_loop(decode_image, data, config, self.image_limits))
+            except ImageTooLarge as e:
+                raise P.APIError(413, f"image {i}: {e}", param="messages", code="image_too_large") from None
+            except ImageError as e:
+                code = "remote_image_url" if "remote" in str(e) else "invalid_image"
+                raise P.APIError(400, f"image {i}: {e}", param="messages", code=code) from None
+        return out
 
     async def decode(self, ids: list[int], skip_special: bool) -> str:
         return await self.off_loop(self.tok.decode, ids, skip_special)
@@ -148,7 +194,7 @@ class Serving:
 
     # ------------------------------------------------------------------ submission
     def submit(self, prompt: list[int], params: list[SamplingParams], namespace: str | None,
-               streams: list[TextStream]) -> tuple[list[Choice], asyncio.Queue]:
+               streams: list[TextStream], images: list | None = None) -> tuple[list[Choice], asyncio.Queue]:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         if not self.scheduler.alive:
             raise P.APIError(503, "the engine is not running", type="server_error", code="engine_stopped")
@@ -164,7 +210,7 @@ class Serving:
 
         try:
             for i, (p, stream) in enumerate(zip(params, streams)):
-                ticket = self.scheduler.submit(prompt, p, deliver_for(i), namespace=namespace)
+                ticket = self.scheduler.submit(prompt, p, deliver_for(i), namespace=namespace, images=images or None)
                 choices.append(Choice(i, ticket, stream))
         except (QueueFull, TooLarge, ShuttingDown) as e:
             for c in choices:

@@ -20,6 +20,8 @@ EXAMPLES = """examples:
   dsv41 train --out runs/small                       # resumes from runs/small/latest
   dsv41 train --resume runs/small/ckpt-001000 --out runs/small
   dsv41 train --plot runs/small                      # runs/small/curves.png from metrics.jsonl
+  torchrun --standalone --nproc-per-node 4 -m dsv41 train --preset tiny --steps 50 --grad_accum 4 \
+      --parallel dp=2,pp=2 --out runs/tiny-pp          # distributed (docs/distributed.md)
 """
 
 
@@ -78,7 +80,12 @@ def run(args: argparse.Namespace) -> int:
         print(plot_metrics(metrics, args.plot / "curves.png"))
         return 0
     tc = train_config_from_overrides(split_overrides(args.overrides))
-    trainer = Trainer(tc, resume=args.resume)
+    if tc.parallel:  # under torchrun: every rank runs this (dsv41.parallel.trainer)
+        from dsv41.parallel.trainer import ParallelTrainer
+
+        trainer = ParallelTrainer(tc, resume=args.resume)
+    else:
+        trainer = Trainer(tc, resume=args.resume)
     if trainer.resumed_from is not None:
         print(f"resuming from {trainer.resumed_from} (step {trainer.step}, {trainer.tokens:,} tokens)")
     trainer.run()

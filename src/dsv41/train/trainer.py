@@ -115,6 +115,8 @@ class TrainConfig:
     progress: bool = True  # tqdm progress bar on stderr
     baseline: bool = True  # log a bigram model's validation loss at the start (model-card comparison)
     auto_resume: bool = True  # resume from out/latest when it exists and no checkpoint is given
+    # --- distributed (torchrun) ---
+    parallel: str = ""  # e.g. "dp=2,ep=2,pp=2,cp=1": train on torch.distributed (dsv41.parallel); "" = one device
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
