@@ -69,9 +69,9 @@ def _run(model, tokens, doc, window_start, attention: str, chunk: int):
     def traced_build(*a, **k):  # the context `losses` makes, with a trace and this score chunk
         return build(*a, **k, trace=trace, score_chunk=chunk)
 
-    def spy_dense(q, entries, kl_set, scores, scale):
+    def spy_dense(q, entries, kl_set, scores, scale, n_queries=None):
         kl_sets.append(kl_set)  # (B, T, N) mask
-        return dense_kl(q, entries, kl_set, scores, scale)
+        return dense_kl(q, entries, kl_set, scores, scale, n_queries)
 
     def spy_sparse(logits, valid, scores):
         kl_sets.append(valid)  # (B, T, K) over the layer's top-k
