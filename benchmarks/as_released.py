@@ -213,6 +213,8 @@ def main() -> None:
         full = load_config(args.preset)
         config = full.truncated(args.max_layers) if args.max_layers and args.max_layers < full.n_layers else full
         config = resize_engram(config, args.engram_vocab_size)
+        # the synthetic shards hold the text model (`model_tensors`): no ViT, no DSpark stages
+        config = config.replace(vision_n_layers=0, n_mtp_layers=0, dspark_block_size=0)
         if args.routed_experts and args.routed_experts < config.n_routed_experts:
             config = config.replace(n_routed_experts=args.routed_experts)
     except (ConfigError, ValueError) as e:

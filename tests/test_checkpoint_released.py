@@ -387,9 +387,20 @@ def test_cuda_as_released_model_equals_its_twins_and_generates(released):
         fast = model(tokens)
         with ops.use_backend("torch"):
             twin = model(tokens)
+            # the model's own sensitivity to rounding-level changes: every linear quantizes its input to
+            # E4M3, so a 1e-6 nudge flips a few roundings and the flips grow through the layers; a
+            # difference between kernels and twins of that size is summation order, a wrong scale is O(1)
+            emb = model.embed.weight
+            saved = emb.clone()
+            emb.mul_(1 + 1e-6 * torch.randn(emb.shape, generator=torch.Generator("cuda").manual_seed(0),
+                                            device=emb.device))
+            nudged = model(tokens)
+            emb.copy_(saved)
     rel = ((fast - twin).norm() / twin.norm()).item()
-    print(f"\nas-released tiny on CUDA: kernels vs twins relative difference {rel:.2e}")
-    assert rel < 1e-3, f"relative difference {rel:.2e}"
+    floor = ((nudged - twin).norm() / twin.norm()).item()
+    print(f"\nas-released tiny on CUDA: kernels vs twins relative difference {rel:.2e} "
+          f"(twins with the embedding nudged by 1e-6: {floor:.2e})")
+    assert rel < 3 * floor + 1e-4, f"relative difference {rel:.2e} vs the rounding floor {floor:.2e}"
     bf16 = model.to(torch.bfloat16)
     engine = Engine(bf16)  # CUDA graphs; 8 experts, top-2: the dense MXFP4 dispatch
     assert all(moe.moe_impl == "dense" for moe in bf16.moe_layers())

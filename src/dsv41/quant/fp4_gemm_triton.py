@@ -4,9 +4,12 @@ One launch for every expert of a layer, no host sync: the rows come sorted by ex
 takes one BLOCK_M tile of one expert's rows (the tile → expert map is built on the device from the
 counts, for an upper bound of ceil(M / BLOCK_M) + E tiles; programs past the real tiles return) and
 one BLOCK_N column tile. Per 32-wide K step it loads 16 packed bytes per weight row, turns the two
-E2M1 codes of each byte into E4M3 values (exact) — the GEMM's prologue dequantization — takes an
-FP8 × FP8 dot and scales it by the row's activation scale and the weight row's E8M0 scale of that K
-block, accumulating in fp32 (what the release's `fp4_gemm` computes). Torch twin:
+E2M1 codes of each byte into their values (exact) — the GEMM's prologue dequantization — takes a
+dot of the step and scales it by the row's activation scale and the weight row's E8M0 scale of that
+K block, accumulating in fp32 (what the release's `fp4_gemm` computes). The dot runs on the fp16
+tensor cores with both operands widened exactly (E4M3 and E2M1 fit fp16): Hopper's FP8 MMA sums
+with a short accumulator and put the product 2e-5 of the output's scale off the exact sum on the
+H200, the fp16 one matches the emulation to fp32 order (see `fp8_gemm_triton`). Torch twin:
 `dsv41.quant.fp4_gemm.fp4_experts_twin`.
 """
 
@@ -60,7 +63,7 @@ def _fp4_experts_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tile_e_ptr, tile_r0
         # never write 0 or 255), decoded here rather than as an (E, N, K/32) fp32 copy per call
         s_byte = tl.load(s_base + kb, mask=n_ok, other=0).to(tl.int32)
         sb = (s_byte << 23).to(tl.float32, bitcast=True)
-        acc += tl.dot(a, b.to(tl.float8e4nv)) * (sa[:, None] * sb[None, :])
+        acc += tl.dot(a.to(tl.float16), b.to(tl.float16)) * (sa[:, None] * sb[None, :])
     c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

@@ -1,12 +1,18 @@
-"""Hopper kernel of the release's FP8 linear: FP8 tensor-core dots with 1×32 / 32×32 block scales.
+"""Hopper kernel of the release's FP8 linear: E4M3 codes with 1×32 / 32×32 block scales on the tensor cores.
 
 `torch._scaled_mm` does not take these scales on sm90: its block-wise modes there are 1×128 and
 128×128 (fp32 scales), and the MX 1×32 E8M0 mode needs sm100. So this kernel does what the
 release's own `fp8_gemm` kernel does (`inference/kernel.py`): walk K in steps of 32 — one scale
-block —, take an FP8 × FP8 dot for the step (fp32 result), multiply it by the activation scale of
-the row and the weight scale of the column's 32-row tile, and add it to an fp32 accumulator.
-Output in the activation dtype. The torch twin is `dsv41.quant.fp8_gemm.fp8_gemm_twin`.
-Runs in Triton's CPU interpreter too (`TRITON_INTERPRET=1`), which is how CPU tests check it.
+block —, take a dot of the step's codes (fp32 result), multiply it by the activation scale of the
+row and the weight scale of the column's 32-row tile, and add it to an fp32 accumulator. Output in
+the activation dtype.
+
+The step's dot runs on the fp16 tensor cores, the E4M3 codes widened to fp16 first (exact: E4M3's
+range and 3 mantissa bits fit fp16; bf16 would too, but Triton's CPU interpreter mis-multiplies
+bf16). Hopper's FP8 MMA (wgmma) sums its products with a short accumulator (about 14 bits, as the
+DeepSeek-V3 report measured on H800), which on the H200 put the FP8 dot 1e-4–7e-4 of the output's
+scale away from the exact sum at v41 widths; the fp16 dot keeps full fp32 accumulation, so the
+kernel equals the fp64 emulation to fp32 summation order (~1e-7).
 """
 
 from __future__ import annotations
@@ -47,8 +53,8 @@ def _fp8_block_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, stride_am,
         b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         sa = tl.load(sa_ptrs + kb, mask=m_ok, other=0.0)
         sb = tl.load(sb_ptrs + kb, mask=n_ok, other=0.0)
-        # promote every scale block: the dot of one 32-wide step is exact in fp32, then scaled
-        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        # promote every scale block: the 32-wide step's dot (codes widened to fp16, exact) in fp32, then scaled
+        acc += tl.dot(a.to(tl.float16), b.to(tl.float16)) * (sa[:, None] * sb[None, :])
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :]
