@@ -57,8 +57,9 @@ def engine_test_model(seed: int, **changes):
     return model
 
 
-# intra-op threads per test process; scripts/mutants.py runs its parallel workers with 1 each
-TEST_THREADS = int(os.environ.get("DSV41_TEST_THREADS", "2"))
+# intra-op threads per test process: 2 for a lone pytest on the 2-core CI box, 1 in each pytest-xdist
+# worker (scripts/test.sh runs two) and in each of scripts/mutants.py's parallel workers
+TEST_THREADS = int(os.environ.get("DSV41_TEST_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"))
 
 
 @pytest.fixture(autouse=True)
