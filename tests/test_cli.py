@@ -16,6 +16,21 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dsv41", *args], capture_output=True, text=True, timeout=60)
 
 
+@pytest.fixture
+def run_main(capsys):
+    """`main(args)` in this process as a CompletedProcess (exit code, stdout, stderr): the CLI without a
+    Python start-up per case (`_cli` keeps the `python -m dsv41` entry itself covered)."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's --help and usage errors
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out.out, out.err)
+    return run
+
+
 def test_accounting_text_has_the_report_column() -> None:
     out = _cli("accounting", "--preset", "v41-flash")
     assert out.returncode == 0, out.stderr
@@ -35,12 +50,12 @@ def test_accounting_json_keys() -> None:
     assert r["backbone_params"] > r["active_params_decode"] > r["active_params_prefill"] > 0
 
 
-def test_config_file_and_hf_directory(tmp_path) -> None:
+def test_config_file_and_hf_directory(tmp_path, run_main) -> None:
     flat = tmp_path / "flat.json"
     flat.write_text(load_config("tiny").to_json())
-    out = _cli("accounting", "--config", str(flat), "--json")
+    out = run_main("accounting", "--config", str(flat), "--json")
     assert out.returncode == 0, out.stderr
-    preset = json.loads(_cli("accounting", "--preset", "tiny", "--json").stdout)
+    preset = json.loads(run_main("accounting", "--preset", "tiny", "--json").stdout)
     assert json.loads(out.stdout)["backbone_params"] == preset["backbone_params"]
 
 
@@ -51,7 +66,7 @@ def _bad(tmp_path, name: str, data) -> str:
 
 
 @pytest.mark.parametrize("command", ["plan", "accounting"])
-def test_malformed_configs_fail_in_one_line(tmp_path, command: str) -> None:
+def test_malformed_configs_fail_in_one_line(tmp_path, command: str, run_main) -> None:
     tiny = load_config("tiny").to_dict()
     cases = [
         ({**tiny, "n_heads": 0}, "n_heads"),
@@ -61,7 +76,7 @@ def test_malformed_configs_fail_in_one_line(tmp_path, command: str) -> None:
         ({"text_config": {"hidden_size": 64, "sliding_window": 0}}, "window_size"),  # HF layout
     ]
     for i, (data, field_name) in enumerate(cases):
-        out = _cli(command, "--config", _bad(tmp_path, f"bad{i}.json", data))
+        out = run_main(command, "--config", _bad(tmp_path, f"bad{i}.json", data))
         lines = out.stderr.splitlines()
         assert out.returncode == 2, (field_name, out.stderr)
         assert len(lines) == 1 and lines[0].startswith("dsv41: error: "), out.stderr
@@ -69,17 +84,17 @@ def test_malformed_configs_fail_in_one_line(tmp_path, command: str) -> None:
         assert out.stdout == ""
 
 
-def test_missing_file_and_bad_json_fail_in_one_line(tmp_path) -> None:
+def test_missing_file_and_bad_json_fail_in_one_line(tmp_path, run_main) -> None:
     for args in (["--config", str(tmp_path / "nope.json")], ["--preset", "no-such-preset"],
                  ["--config", _bad(tmp_path, "broken.json", "{not json")]):
-        out = _cli("accounting", *args)
+        out = run_main("accounting", *args)
         assert out.returncode == 2
         assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith("dsv41: error: "), out.stderr
 
 
 @pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
-def test_help_for_each_subcommand(command: str) -> None:
-    out = _cli(command, "--help")
+def test_help_for_each_subcommand(command: str, run_main) -> None:
+    out = run_main(command, "--help")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"usage: dsv41 {command}") and "examples:" in out.stdout
 
