@@ -286,7 +286,7 @@ def validate(c: ModelConfig) -> None:
         if not isinstance(c.dspark_noise_token_id, int) or not 0 <= c.dspark_noise_token_id < c.vocab_size:
             _fail("dspark_noise_token_id", f"must be a token id < vocab_size, got {c.dspark_noise_token_id!r}")
         if not isinstance(c.dspark_markov_rank, int) or c.dspark_markov_rank <= 0:
-            _fail("dspark_markov_rank", f"the last stage's Markov head needs a positive rank, got {c.dspark_markov_rank!r}")
+            _fail("dspark_markov_rank", f"the Markov head needs a positive rank, got {c.dspark_markov_rank!r}")
         for name in ("dspark_n_routed_experts", "dspark_n_activated_experts"):
             value = getattr(c, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -314,8 +314,8 @@ def with_dspark(c: ModelConfig, block_size: int = 5, n_stages: int = 3, target_l
     if noise_token_id is None:
         noise_token_id = 16 if c.vocab_size > 16 else c.vocab_size - 1
     ratios = list(c.compress_ratios[: c.n_layers]) + [0] * n_stages  # draft stages are window-only
-    return c.replace(dspark_block_size=block_size, n_mtp_layers=n_stages, dspark_target_layer_ids=list(target_layer_ids),
-                     dspark_noise_token_id=noise_token_id,
+    return c.replace(dspark_block_size=block_size, n_mtp_layers=n_stages,
+                     dspark_target_layer_ids=list(target_layer_ids), dspark_noise_token_id=noise_token_id,
                      dspark_markov_rank=min(256, c.dim) if markov_rank is None else markov_rank,
                      dspark_n_routed_experts=n_routed_experts, dspark_n_activated_experts=n_activated_experts,
                      compress_ratios=ratios)

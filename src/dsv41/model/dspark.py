@@ -289,6 +289,14 @@ class DSpark(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def drafter_of(main: Transformer) -> DSpark | None:
+    """The drafter whose stages are registered as `main.mtp` (by `attach` or `load_checkpoint`), bound."""
+    stages = getattr(main, "mtp", None)
+    if stages is None or not main.config.dspark_block_size:
+        return None
+    return DSpark(main.config, stages).bind(main)
+
+
 # ---------------------------------------------------------------------- backbone features
 @contextmanager
 def capture_features(main: Transformer, layer_ids: Sequence[int]) -> Iterator[dict[int, Tensor]]:
