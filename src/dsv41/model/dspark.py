@@ -91,11 +91,12 @@ def dspark_attention(attn: nn.Module, x: Tensor, positions: Tensor, ctx_kv: Tens
     q = q.reshape(B, A, K, H, D)  # (B, A, K, H, D)
     keys = torch.cat([ctx_kv.to(own.dtype), own.reshape(B, A, K, D)], dim=2)  # (B, A, W + K, D)
     valid = torch.cat([ctx_valid, ctx_valid.new_ones(B, A, K)], dim=2)  # (B, A, W + K)
-    scores = torch.einsum("bakhd,basd->bahks", q.float(), keys.float()) * attn.scale  # (B, A, H, K, W + K)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax for bf16 models (fp64 stays fp64)
+    scores = torch.einsum("bakhd,basd->bahks", q.to(acc), keys.to(acc)) * attn.scale  # (B, A, H, K, W + K)
     scores = scores.masked_fill(~valid[:, :, None, None, :], float("-inf"))
-    sink = attn.attn_sink.float().view(1, 1, H, 1, 1).expand(*scores.shape[:-1], 1)
+    sink = attn.attn_sink.to(acc).view(1, 1, H, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    o = torch.einsum("bahks,basd->bakhd", probs, keys.float()).to(x.dtype)
+    o = torch.einsum("bahks,basd->bakhd", probs, keys.to(acc)).to(x.dtype)
     return attn.output(o.reshape(B, Q, H, D), cos, sin)  # (B, Q, H, D) → inverse RoPE, grouped projection
 
 
