@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 
 import torch
+from tests.conftest import assert_close, randomize_mixing
 
 from dsv41.config import load_config, with_dspark
 from dsv41.engine.dspark_drafter import DSparkDrafter
 from dsv41.model.dspark import DSpark, capture_features, dspark_attention, stack_features
 from dsv41.model.transformer import Transformer
-from tests.conftest import assert_close, randomize_mixing
 
 
 def _config(window: int = 8):

@@ -234,6 +234,8 @@ class DSparkTrainConfig:
     eval_prompt_len: int = 64  # their prompt tokens
     eval_new_tokens: int = 64  # greedy tokens generated after each prompt
     save_format: str = "official-fp8"  # drafter checkpoint: official-fp8 (release table) | float
+    budget_s: float = 0.0  # > 0: from the time of steps 4-8, cut `steps` so training fits this many seconds
+    plot: bool = True  # write OUT/acceptance.png
     progress: bool = True  # tqdm progress bar
 
     def __post_init__(self) -> None:
@@ -255,12 +257,12 @@ class DSparkTrainConfig:
                            n_activated_experts=self.n_activated_experts)
 
 
-def _lr_at(tc: DSparkTrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine from lr to lr_final."""
-    warm = max(1, int(tc.warmup * tc.steps))
+def _lr_at(tc: DSparkTrainConfig, step: int, total: int) -> float:
+    """Linear warm-up, then cosine from lr to lr_final over `total` steps."""
+    warm = max(1, int(tc.warmup * total))
     if step < warm:
         return tc.lr * (step + 1) / warm
-    t = (step - warm) / max(1, tc.steps - warm)
+    t = (step - warm) / max(1, total - warm)
     return tc.lr_final + 0.5 * (tc.lr - tc.lr_final) * (1 + math.cos(math.pi * min(t, 1.0)))
 
 
@@ -303,7 +305,7 @@ class DSparkTrainer:
             if self.eval_sequences is None:
                 self.eval_sequences = eval_sequences
         self.tokenizer = tokenizer
-        self.step = 0
+        self.step, self.total_steps = 0, tc.steps
         self.history: list[dict[str, Any]] = []
 
     def _autocast(self):
@@ -311,7 +313,7 @@ class DSparkTrainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def train_step(self) -> dict[str, Any]:
-        lr = _lr_at(self.tc, self.step)
+        lr = _lr_at(self.tc, self.step, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batch = {k: v.to(self.device) for k, v in next(self.batches).items()}
@@ -328,7 +330,7 @@ class DSparkTrainer:
         self.step += 1
         record = {"type": "train", "step": self.step, "lr": lr, "grad_norm": float(grad_norm)}
         for key in ("total", "ce", "l1", "confidence", "balance", "tau", "confidence_abs_error"):
-            record[key] = float(terms[key])
+            record[key] = float(terms[key].detach())
         record["accept"] = [float(v) for v in terms["accept"]]
         record["greedy"] = [float(v) for v in terms["greedy"]]
         record["supervised"] = int(terms["supervised"])
@@ -356,16 +358,26 @@ class DSparkTrainer:
                   "train_config": asdict(tc), "device": str(self.device)})
         bar = _progress(tc.progress, tc.steps)
         start, window = time.perf_counter(), []
-        for _ in range(tc.steps):
+        while self.step < self.total_steps:
             record = self.train_step()
+            if tc.budget_s > 0 and self.step == 3:
+                timed_from = time.perf_counter()  # steps 1-3 warm up (allocator, kernel choices)
+            if tc.budget_s > 0 and self.step == 8:  # size the run to the budget from steps 4-8
+                per_step = (time.perf_counter() - timed_from) / 5
+                spent = time.perf_counter() - start
+                self.total_steps = max(8, min(tc.steps, 8 + int((tc.budget_s - spent) / per_step)))
+                if bar is not None:
+                    bar.total = self.total_steps
+                self.log({"type": "budget", "step": self.step, "seconds_per_step": per_step,
+                          "total_steps": self.total_steps})
             window.append(record)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['total']:.3f}", tau=f"{record['tau']:.2f}")
-            if self.step % max(1, tc.log_every) == 0 or self.step == tc.steps:
+            if self.step % max(1, tc.log_every) == 0 or self.step == self.total_steps:
                 self.log(_mean_record(window, time.perf_counter() - start))
                 window = []
-            if tc.eval_every > 0 and self.step % tc.eval_every == 0 and self.step < tc.steps:
+            if tc.eval_every > 0 and self.step % tc.eval_every == 0 and self.step < self.total_steps:
                 self.log(self.evaluate())
         if bar is not None:
             bar.close()
@@ -373,7 +385,19 @@ class DSparkTrainer:
         final["train_seconds"] = time.perf_counter() - start
         self.log(final)
         self.save()
-        plot_acceptance(self.out / "metrics.jsonl", self.out / "acceptance.png")
+        if tc.save_format != "float":  # what ships: the drafter read back from its release-format files
+            from dsv41.checkpoint import load_drafter
+
+            float_drafter = self.drafter
+            self.drafter = load_drafter(self.out, self.main).train()
+            try:
+                final = {**self.evaluate(), "type": "eval_saved", "format": tc.save_format,
+                         "train_seconds": final["train_seconds"]}
+            finally:
+                self.drafter = float_drafter
+            self.log(final)
+        if tc.plot:
+            plot_acceptance(self.out / "metrics.jsonl", self.out / "acceptance.png")
         return final
 
     def save(self) -> Path:
@@ -444,7 +468,11 @@ def _corpus_data(tc: DSparkTrainConfig, tok, main: Transformer, device: torch.de
             yield from ds.batches(tc.batch_size)
 
     need = tc.eval_prompt_len
-    prompts = [val.doc(i)[:need] for i in range(len(val)) if len(val.doc(i)) >= need][: tc.eval_prompts]
+    prompts = []  # prompts from windows spaced along each held-out document
+    for i in range(len(val)):
+        doc = val.doc(i)
+        prompts += [doc[s: s + need] for s in range(0, len(doc) - need + 1, 8 * need)]
+    prompts = prompts[: tc.eval_prompts]
     if not prompts:
         raise ConfigError(f"train-dspark: no validation document has {need} tokens (eval_prompt_len)")
     prompts_t = torch.tensor([p.tolist() for p in prompts], dtype=torch.long, device=device)
@@ -464,7 +492,7 @@ def plot_acceptance(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
 
     records = [json.loads(ln) for ln in Path(metrics_jsonl).read_text().splitlines() if ln.strip()]
     train = [r for r in records if r.get("type") == "train"]
-    evals = [r for r in records if r.get("type") == "eval"]
+    evals = [r for r in records if r.get("type") in ("eval", "eval_saved")]
     fig, (ax_t, ax_e) = plt.subplots(1, 2, figsize=(11, 4))
     if train:
         steps = [r["step"] for r in train]
@@ -585,7 +613,8 @@ def run(args: argparse.Namespace) -> int:
     trainer = DSparkTrainer(tc)
     final = trainer.run()
     taus = "  ".join(f"τ({k})={v:.3f}" for k, v in final["tau"].items())
-    print(f"drafter: {trainer.drafter.num_parameters():,} params, {tc.steps} steps -> {trainer.out}")
+    print(f"drafter: {trainer.drafter.num_parameters():,} params, {trainer.step} steps "
+          f"({final['train_seconds']:.0f} s) -> {trainer.out}")
     print(f"held-out greedy acceptance length per verification length: {taus} ({final['anchors']} anchors)")
     return 0
 
