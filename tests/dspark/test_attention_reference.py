@@ -137,3 +137,24 @@ def test_engine_adapter_drafts_what_the_training_form_computes():
     assert prop.probs.shape == (1, adapter.k, 16384)
     assert torch.allclose(prop.probs.sum(-1), torch.ones(1, adapter.k), atol=1e-5)
     assert bool((prop.probs.gather(-1, prop.tokens.unsqueeze(-1)) > 0).all())  # drawn from those distributions
+
+
+@torch.no_grad()
+def test_features_are_the_stream_mean_entering_the_target_block():
+    """The release: `if i in target_layer_ids: main_hiddens.append(h.mean(dim=2))` before block i runs."""
+    main, _ = _models(seed=5)
+    tokens = torch.randint(17, 16384, (2, 12), generator=torch.Generator().manual_seed(6))
+    outputs = {}
+
+    def keep(module, args, out) -> None:  # returns None: the output is unchanged
+        outputs[1] = out[0]
+
+    hook = main.layers[1].register_forward_hook(keep)
+    try:
+        with capture_features(main, [0, 2]) as found:
+            main(tokens)
+    finally:
+        hook.remove()
+    assert_close(found[0], main.embed(tokens), what="layer 0: the embedding (4 equal streams)")
+    assert_close(found[2], outputs[1].mean(dim=2), what="layer 2: block 1's output streams, averaged")
+    assert not torch.allclose(found[2], outputs[1][:, :, 0]), "streams differ: a mean, not one stream"
