@@ -4,7 +4,8 @@ Protocol (the engine side — verification, rollback, scheduling — lives in th
     k                      tokens proposed per step = dspark_block_size (a block of K positions
                            proposes K tokens: position i predicts the token after it, as the release's
                            forward_head samples block_size tokens)
-    features_wanted()      backbone layers whose features the engine hands over: the target layers; the
+    features_wanted()      backbone layers whose features the engine hands over (`features_at = "input"`,
+                           the engine's `Capture(at="input")`): the target layers; the
                            feature of layer i at a position is the mean over the hc streams of the
                            streams *entering* block i (after its Engram) — `capture_features` records
                            exactly that with forward pre-hooks on the blocks, in any forward
@@ -38,7 +39,7 @@ from dsv41.model.dspark import DSpark
 class Proposal:
     tokens: Tensor  # (B, k) long: the drafted tokens
     confidence: Tensor  # (B, k) float in [0, 1]: predicted acceptance of each position given the earlier ones
-    probs: Tensor | None  # (B, k, V) float: the distribution each token was drawn from (None when greedy)
+    probs: Tensor | None = None  # (B, k, V) float: the distribution each token was drawn from (None when greedy)
 
 
 @dataclass
@@ -49,6 +50,8 @@ class _Sequence:
 
 class DSparkDrafter:
     """`Drafter` of the engine backed by a trained DSpark (bound to the engine's backbone)."""
+
+    features_at = "input"  # the engine's Capture(at="input"): the streams entering each target block
 
     def __init__(self, drafter: DSpark, temperature: float = 0.0, generator: torch.Generator | None = None):
         self.drafter = drafter.eval()
