@@ -22,7 +22,7 @@ State per sequence: one ring of `window_size` context keys per stage (each stage
 `kv_norm(wkv(main_x))`, rotated at its position) and the count of observed positions. Observing only
 accepted positions means nothing ever rolls back here. `propose` gathers the rings into the same
 (B, 1, W, D) windows the training form gathers from a row, so drafting equals `DSpark.forward` on the
-whole sequence (tests/dspark/test_drafter_adapter.py).
+whole sequence (tests/dspark/test_dspark_attention.py).
 """
 
 from __future__ import annotations
