@@ -54,9 +54,9 @@ def test_loss_falls_and_acceptance_rises(tmp_path):
     final = trainer.run()
     train = [r for r in trainer.history if r["type"] == "train"]
     first, last = train[0], train[-1]  # means over steps 1-10 and 31-40
-    assert last["total"] < first["total"] - 0.15, (first["total"], last["total"])  # measured 2.64 -> 2.40
+    assert last["total"] < first["total"] - 0.15, (first["total"], last["total"])  # measured 2.66 -> 2.43
     gain = [b - a for a, b in zip(first["accept"], last["accept"])]
-    assert sum(gain[1:]) / len(gain[1:]) > 0.02, gain  # positions 1-4: measured +0.05 each
+    assert sum(gain[1:]) / len(gain[1:]) > 0.02, gain  # positions 1-4: measured +0.045 each (0.30 -> 0.34)
     assert last["l1"] < first["l1"] and last["confidence"] < first["confidence"] + 0.05
     # the run's files: metrics, plot, drafter (loads back under the official names)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
