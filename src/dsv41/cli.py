@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, str] = {
     "accounting": "dsv41.cli:ACCOUNTING",
     "train": "dsv41.train.cli",
     "train-vision": "dsv41.train.vision",
+    "train-dspark": "dsv41.train.dspark",
     "demo": "dsv41.demo",
     "generate": "dsv41.engine.cli",
     "serve": "dsv41.server.cli",

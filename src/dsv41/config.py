@@ -276,12 +276,49 @@ def validate(c: ModelConfig) -> None:
                 _fail(name, f"must be a positive integer (>1 for n-gram size), got {value!r}")
         if not 0 <= c.engram_pad_id < c.vocab_size:
             _fail("engram_pad_id", f"must be a token id < vocab_size, got {c.engram_pad_id}")
+    if not isinstance(c.dspark_block_size, int) or c.dspark_block_size < 0:
+        _fail("dspark_block_size", f"must be an integer >= 0 (0 = no drafter), got {c.dspark_block_size!r}")
     if c.dspark_block_size:
-        _layer_list("dspark_target_layer_ids")
-        if c.n_mtp_layers <= 0:
+        if not _layer_list("dspark_target_layer_ids"):
+            _fail("dspark_target_layer_ids", "DSpark needs at least one target layer")
+        if not isinstance(c.n_mtp_layers, int) or c.n_mtp_layers <= 0:
             _fail("n_mtp_layers", "DSpark needs at least one draft stage")
+        if not isinstance(c.dspark_noise_token_id, int) or not 0 <= c.dspark_noise_token_id < c.vocab_size:
+            _fail("dspark_noise_token_id", f"must be a token id < vocab_size, got {c.dspark_noise_token_id!r}")
+        if not isinstance(c.dspark_markov_rank, int) or c.dspark_markov_rank <= 0:
+            _fail("dspark_markov_rank", f"the Markov head needs a positive rank, got {c.dspark_markov_rank!r}")
+        for name in ("dspark_n_routed_experts", "dspark_n_activated_experts"):
+            value = getattr(c, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                _fail(name, f"must be an integer >= 0 (0 = the backbone's), got {value!r}")
+        routed, active = c.moe_config(c.n_layers)
+        if active > routed:
+            _fail("dspark_n_activated_experts", f"{active} experts per token > {routed} routed experts in draft stages")
     if c.vision_enabled and c.vision_dim % c.vision_n_heads:
         _fail("vision_n_heads", f"vision_dim ({c.vision_dim}) is not divisible by vision_n_heads")
+
+
+# ---------------------------------------------------------------------- DSpark derived config
+def with_dspark(c: ModelConfig, block_size: int = 5, n_stages: int = 3, target_layer_ids: list[int] | None = None,
+                noise_token_id: int | None = None, markov_rank: int | None = None, n_routed_experts: int = 0,
+                n_activated_experts: int = 0) -> ModelConfig:
+    """`c` with a DSpark drafter (SPEC §1a, §5): the switch that gives a preset without one (tiny, small,
+    the shipped models/dsv41-small) its draft stages, leaving the backbone unchanged.
+
+    Defaults follow the release's shape scaled down: block 5, 3 stages, the last three backbone layers
+    as targets (the release: 37, 38, 39 of 40), the tokenizer's last reserved token as noise
+    (`<|reserved_3|>`, id 16 in data/tokenizer.json; ids past the vocabulary fall back to its last
+    id), Markov rank min(256, dim), the backbone's experts (0)."""
+    if target_layer_ids is None:
+        target_layer_ids = list(range(max(c.n_layers - 3, 0), c.n_layers))
+    if noise_token_id is None:
+        noise_token_id = 16 if c.vocab_size > 16 else c.vocab_size - 1
+    ratios = list(c.compress_ratios[: c.n_layers]) + [0] * n_stages  # draft stages are window-only
+    return c.replace(dspark_block_size=block_size, n_mtp_layers=n_stages,
+                     dspark_target_layer_ids=list(target_layer_ids), dspark_noise_token_id=noise_token_id,
+                     dspark_markov_rank=min(256, c.dim) if markov_rank is None else markov_rank,
+                     dspark_n_routed_experts=n_routed_experts, dspark_n_activated_experts=n_activated_experts,
+                     compress_ratios=ratios)
 
 
 # ---------------------------------------------------------------------- truncation

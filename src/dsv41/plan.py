@@ -158,6 +158,15 @@ def format_plan(config: ModelConfig) -> str:
         "decoder": f"{config.encoder_layers}-{config.n_layers - 1}",
         "candidate source": config.candidate_source_layer if config.candidate_source_layer >= 0 else "off",
     }
+    if config.dspark_block_size:
+        routed, active = config.moe_config(config.n_layers)
+        last = config.n_mtp_layers - 1
+        summary["dspark"] = (f"{config.n_mtp_layers} draft stages mtp.0-{last} (layers {config.n_layers}-"
+                             f"{config.n_layers + last}), block {config.dspark_block_size} (anchor + "
+                             f"{config.dspark_block_size - 1} noise id {config.dspark_noise_token_id}; proposes "
+                             f"{config.dspark_block_size}), window {config.window_size} over the features of layers "
+                             f"{list(config.dspark_target_layer_ids)}, {routed} experts top-{active}, Markov rank "
+                             f"{config.dspark_markov_rank}, confidence head")
     lines.append("")
     lines += [f"{k}: {v}" for k, v in summary.items()]
     return "\n".join(lines)

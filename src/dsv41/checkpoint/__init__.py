@@ -37,6 +37,7 @@ _EXPORTS = {
     "scale_name": "release_format",
     "storage_of": "release_format",
     "load_checkpoint": "load",
+    "load_drafter": "load",
     "read_state_dict": "load",
     "read_config": "load",
     "checkpoint_info": "load",
@@ -52,6 +53,7 @@ __all__ = [
     "checkpoint_info",
     "keeps_fp32",
     "load_checkpoint",
+    "load_drafter",
     "load_state_dict_file",
     "read_config",
     "read_header",
@@ -77,6 +79,7 @@ if TYPE_CHECKING:
     from dsv41.checkpoint.load import (
         checkpoint_info,
         load_checkpoint,
+        load_drafter,
         read_config,
         read_state_dict,
         release_layout_problems,

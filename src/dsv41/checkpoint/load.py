@@ -16,6 +16,13 @@ router's bias, keep it; the FP8 buffers keep their formats); buffers keep the dt
 gave them. Loaded tensors are copies, never views of the file's mapping, so rewriting a file later
 cannot change a live model. `mtp.*` and vision tensors are skipped with a logged note while the
 model builds no such modules.
+
+The DSpark drafter (`mtp.*`, `dsv41.model.dspark`): `load_checkpoint(drafter=None)` builds the draft
+stages and loads them under their official names whenever the config has a drafter and the checkpoint
+holds `mtp.*` tensors (`drafter=True` insists, `False` skips them); they end up registered as
+`model.mtp` (`drafter_of(model)` wraps them). `load_drafter(directory, main)` reads only the `mtp.*`
+tensors of a directory — a drafter saved alone (`<model>/dspark/`, docs/dspark.md) or a whole release
+checkpoint — into a `DSpark` bound to `main`.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +42,7 @@ from dsv41.checkpoint.codec import FLOAT_DTYPES, decode, logical_names, release_
 from dsv41.checkpoint.files import CONFIG_NAME, CheckpointError, TensorStore
 from dsv41.checkpoint.release_format import MXFP4, QUANTIZED, ReleaseFormatError, scale_name, storage_of, stored_layout
 from dsv41.config import ConfigError, ModelConfig, load_config
+from dsv41.model.dspark import DSpark
 from dsv41.model.released import as_released, coded_tensors, round_as_stored, swap_released_modules
 from dsv41.model.transformer import Transformer
 
@@ -77,10 +86,10 @@ class _SkeletonMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _build_skeleton(config: ModelConfig) -> Transformer:
-    """The model with every parameter on the meta device (initializers run there, for free) and its
-    buffers — pure functions of the config — built for real. Patches `nn.Module.register_parameter`
-    while it runs, so it is not thread-safe."""
+def _build_skeleton(config: ModelConfig, build: Callable[[ModelConfig], nn.Module] = Transformer) -> Any:
+    """`build(config)` (the Transformer, or the DSpark drafter) with every parameter on the meta device
+    (initializers run there, for free) and its buffers — pure functions of the config — built for real.
+    Patches `nn.Module.register_parameter` while it runs, so it is not thread-safe."""
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -91,7 +100,7 @@ def _build_skeleton(config: ModelConfig) -> Transformer:
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
         with _SkeletonMode():
-            model = Transformer(config)
+            model = build(config)
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
     for name, buf in model.named_buffers():
@@ -136,13 +145,15 @@ def _block_of(name: str) -> str:
 
 # ---------------------------------------------------------------------- load
 def load_checkpoint(directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                    config: ModelConfig | None = None, strict: bool = True, weights: Weights = "float"
-                    ) -> Transformer:
+                    config: ModelConfig | None = None, strict: bool = True, weights: Weights = "float",
+                    drafter: bool | None = None) -> Transformer:
     """Build a Transformer from a checkpoint directory (see the module docstring).
 
     strict=True: every model tensor must be present and nothing else (besides skipped `mtp.*` /
     vision tensors); the model is materialized from the checkpoint alone. strict=False: the model
-    is initialized (`init_weights`) and the tensors present are copied in; the rest is logged."""
+    is initialized (`init_weights`) and the tensors present are copied in; the rest is logged.
+    drafter: None = build the DSpark stages (`model.mtp`) when the config has a drafter and the
+    checkpoint holds `mtp.*` tensors; True = always (config must have one); False = never."""
     if not dtype.is_floating_point:
         raise ValueError(f"load_checkpoint: dtype must be a floating dtype, got {dtype}")
     if weights not in ("float", "as-released"):
@@ -151,18 +162,26 @@ def load_checkpoint(directory: str | Path, *, device: str | torch.device = "cpu"
     config = config or read_config(directory)
     device = torch.device(device)
     released = weights == "as-released" and strict  # strict=False: load float, then convert (below)
+    if drafter and not config.dspark_block_size:
+        raise CheckpointError(f"{directory}: drafter=True but the config has no DSpark drafter (dspark_block_size 0)")
     with TensorStore(directory) as store:
+        logical = logical_names(store)
+        if drafter is None:
+            drafter = bool(config.dspark_block_size) and any(n.startswith("mtp.") for n in logical)
         if strict:
             model = _build_skeleton(config)
+            if drafter:
+                model.mtp = _build_skeleton(config, DSpark).mtp
             if released:
                 swap_released_modules(model, quantize=False)
         else:
             model = Transformer(config).init_weights()
+            if drafter:
+                DSpark(config).init_weights().attach(model)
         _cast_parameters(model, dtype)
         expected = model.state_dict()
         coded = {n: form for n, (form, _, _) in coded_tensors(model).items()}  # kept in the release's form
         wanted = [n for n in expected if n not in {scale_name(c) for c in coded}]  # logical names
-        logical = logical_names(store)
 
         built = {p for p in _OPTIONAL_PREFIXES if any(n.startswith(p) for n in expected)}
         skipped = sorted(n for n in logical if n not in expected and n.startswith(_OPTIONAL_PREFIXES)
@@ -210,6 +229,47 @@ def load_checkpoint(directory: str | Path, *, device: str | torch.device = "cpu"
     if weights == "as-released" and not strict:
         as_released(model)
     return model
+
+
+def load_drafter(directory: str | Path, main: Transformer, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> DSpark:
+    """The DSpark drafter stored in `directory` (its `mtp.*` tensors; any others are ignored), bound to
+    `main`. The directory's config must agree with `main`'s on the backbone widths; the drafter's own
+    fields (stages, block, targets, experts) come from it. Device and dtype default to `main`'s."""
+    directory = _check_directory(directory)
+    config = read_config(directory)
+    if not config.dspark_block_size:
+        raise CheckpointError(f"{directory}: the config has no DSpark drafter (dspark_block_size 0)")
+    for key in ("dim", "vocab_size", "hc_mult", "n_layers"):
+        if getattr(config, key) != getattr(main.config, key):
+            raise CheckpointError(f"{directory}: drafter built for {key}={getattr(config, key)}, the model has "
+                                  f"{getattr(main.config, key)}")
+    ref = next(main.parameters())
+    device = torch.device(device) if device is not None else ref.device
+    dtype = dtype or ref.dtype
+    with TensorStore(directory) as store:
+        logical = {n: v for n, v in logical_names(store).items() if n.startswith("mtp.")}
+        drafter = _build_skeleton(config, DSpark)
+        _cast_parameters(drafter, dtype)
+        expected = drafter.state_dict()
+        missing = sorted(n for n in expected if n not in logical)
+        unexpected = sorted(n for n in logical if n not in expected)
+        if missing or unexpected:
+            parts = ([f"missing {len(missing)} tensors: {_few(missing)}"] if missing else []) + \
+                    ([f"unexpected {len(unexpected)} tensors: {_few(unexpected)}"] if unexpected else [])
+            raise CheckpointError(f"{directory}: drafter does not match its config: " + "; ".join(parts))
+        for _, group in itertools.groupby(sorted(expected), key=_block_of):
+            batch: dict[str, Tensor] = {}
+            for name in group:
+                shape, kind, problem = logical[name]
+                if problem:
+                    raise CheckpointError(f"{store.entries[name][0]}: {problem}")
+                if tuple(shape) != tuple(expected[name].shape):
+                    raise CheckpointError(f"{store.entries[name][0]}: tensor {name} has shape {list(shape)}, the "
+                                          f"drafter expects {list(expected[name].shape)}")
+                batch[name] = decode(store, name, kind, device, expected[name].dtype)
+            drafter.load_state_dict(batch, strict=False, assign=True)
+    return drafter.to(device).bind(main)
 
 
 def read_state_dict(directory: str | Path, *, device: str | torch.device = "cpu",
