@@ -33,9 +33,10 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
-def load_policy(checkpoint: str | Path | None, preset: str | None, device: torch.device,
+def load_policy(checkpoint: str | Path | None, preset: str | Path | None, device: torch.device,
                 seed: int = 0) -> tuple[Transformer, Tok]:
-    """(float model in train mode on `device`, tokenizer) from a checkpoint directory or a preset (random init)."""
+    """(float model in train mode on `device`, tokenizer) from a checkpoint directory, or random weights of a
+    preset name / preset-style JSON file."""
     from dsv41.engine.cli import SHIPPED_MODEL, _tokenizer_for, load_checkpoint_and_tokenizer
 
     if checkpoint is None and preset is None:
@@ -49,7 +50,7 @@ def load_policy(checkpoint: str | Path | None, preset: str | None, device: torch
         from dsv41 import load_config
         from dsv41.config import preset_names
 
-        if preset not in preset_names():
+        if not isinstance(preset, Path) and preset not in preset_names():
             raise ConfigError(f"unknown preset '{preset}' (presets: {', '.join(preset_names())})")
         model = Transformer(load_config(preset)).init_weights(seed=seed).to(device)
         tok = _tokenizer_for(model, None)

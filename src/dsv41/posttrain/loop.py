@@ -72,7 +72,10 @@ class AsyncLoop:
     whenever a batch of groups is ready and must update `policy` in place."""
 
     def __init__(self, policy: Transformer, tok: Tok, problems: list[Problem], cfg: LoopConfig,
-                 metrics: Metrics | None = None, engine_kwargs: dict | None = None):
+                 metrics: Metrics | None = None, engine_kwargs: dict | None = None,
+                 max_tokens_fn: Callable[[int], int] | None = None, stop_ids: tuple[int, ...] = (END_TURN_ID,)):
+        """max_tokens_fn(uid) → a sample's token limit (default cfg.max_tokens); stop_ids=() with it gives
+        scripted lengths (benchmarks/rollouts.py's long-tailed workload)."""
         self.policy, self.tok, self.cfg, self.metrics = policy, tok, cfg, metrics
         self.problems = problems
         size = len(cfg.efforts) * cfg.samples_per_effort
@@ -84,7 +87,8 @@ class AsyncLoop:
         kwargs = dict(max_batch=cap, cuda_graphs=False, max_seq_len=min(policy.config.max_seq_len, 1024))
         kwargs.update(engine_kwargs or {})
         self.engine = Engine(clone_model(policy), **kwargs)
-        self.rollouts = Rollouts(self.engine, stop_ids=(END_TURN_ID,), temperature=cfg.temperature,
+        self.max_tokens_fn = max_tokens_fn
+        self.rollouts = Rollouts(self.engine, stop_ids=stop_ids, temperature=cfg.temperature,
                                  record_routing=cfg.routing_replay)
         self.version = 0
         self.config_version = 0  # bumped by mid-run config switches (teachers, caps)
@@ -100,7 +104,8 @@ class AsyncLoop:
             prompt = prompt_ids(self.tok, p, b)
             for _ in range(self.cfg.samples_per_effort):
                 uid = next(self._uid)
-                s = Sample(uid, group, b, prompt, self.cfg.max_tokens, seed=self.cfg.seed * 1_000_003 + uid,
+                limit = self.max_tokens_fn(uid) if self.max_tokens_fn is not None else self.cfg.max_tokens
+                s = Sample(uid, group, b, prompt, limit, seed=self.cfg.seed * 1_000_003 + uid,
                            config_version=self.config_version)
                 self.rollouts.submit(s)
 

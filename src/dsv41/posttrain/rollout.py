@@ -304,7 +304,7 @@ class Rollouts:
             if out.error is not None:
                 s.finish_reason = "error"
             else:
-                token = out.token if out.token is not None else self.stop_ids[0]  # a stop id ended it
+                token = out.token if out.token is not None else self.stop_ids[0]  # a stop id ended it (not shown)
                 s.tokens.append(token)
                 s.logprobs.append(float(out.logprob))
                 s.versions.append(self.version)

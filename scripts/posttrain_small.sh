@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Post-training of the shipped models/dsv41-small on the H200: SFT -> RL (effort-length reward, async rollouts)
+# and OPD from a larger teacher trained here; each stage is one command that fits a 10-minute device call and
+# skips itself when its output has done.json (rerun a stage: delete its folder).
+#
+#   bash scripts/posttrain_small.sh sft       # SFT of the shipped model; prints before/after accuracy per effort
+#   bash scripts/posttrain_small.sh rl        # GRPO from runs/post/sft
+#   bash scripts/posttrain_small.sh teacher   # a larger model (dim 512, 12 layers) trained from scratch on the tasks
+#   bash scripts/posttrain_small.sh opd       # OPD of runs/post/sft from runs/post/teacher
+#   bash scripts/posttrain_small.sh report    # the effort table + plots (runs/post/plots)
+#   bash scripts/posttrain_small.sh smoke --device cpu --preset tiny   # every stage, tiny sizes (CPU, ~5 min)
+#
+# Options after the stage: --device DEV (default cuda), --preset NAME (random-init student: smoke runs),
+# --run DIR (default runs/post).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE=${1:?stage: sft | rl | teacher | opd | report | smoke}; shift
+DEVICE=cuda; PRESET=""; RUN=runs/post
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --device) DEVICE=$2; shift 2 ;;
+    --preset) PRESET=$2; shift 2 ;;
+    --run) RUN=$2; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+PY=${PYTHON:-python}
+[[ -x .venv/bin/python ]] && PY=${PYTHON:-.venv/bin/python}
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+dsv41() { "$PY" -m dsv41 "$@"; }
+mkdir -p "$RUN"
+
+# sizes: the H200 run, or tiny smoke sizes
+if [[ -n $PRESET ]]; then
+  SRC=(--preset "$PRESET"); COMMON=(--device "$DEVICE" --eval-problems 4 --max-tokens 12 --digits 2)
+  SFT_STEPS=3; RL_STEPS=2; T_STEPS=3; OPD_STEPS=2; LOOP=(--prompts-per-step 1 --max-in-flight 16)
+  TEACHER_BASE=$PRESET
+else
+  SRC=(--checkpoint models/dsv41-small); COMMON=(--device "$DEVICE" --eval-problems 64 --max-tokens 96 --digits 2,4)
+  SFT_STEPS=800; RL_STEPS=30; T_STEPS=2500; OPD_STEPS=30; LOOP=(--prompts-per-step 8 --max-in-flight 128)
+  TEACHER_BASE=small
+fi
+
+teacher_config() {  # the teacher: the student's preset, wider (dim 512) — stated in its eval.json (teacher_params)
+  "$PY" - "$TEACHER_BASE" "$RUN/teacher_config.json" <<'PY'
+import json, sys
+from dataclasses import asdict
+from dsv41 import load_config
+c = load_config(sys.argv[1])
+d = {k: v for k, v in asdict(c).items() if not k.startswith("_")}
+d["dim"] = 2 * c.dim if sys.argv[1] == "tiny" else 512
+json.dump(d, open(sys.argv[2], "w"), indent=1)
+PY
+}
+
+case $STAGE in
+  sft) dsv41 sft "${SRC[@]}" "${COMMON[@]}" --steps $SFT_STEPS --batch-size 64 --lr 1e-4 --out "$RUN/sft" ;;
+  rl) dsv41 rl --checkpoint "$RUN/sft" "${COMMON[@]}" "${LOOP[@]}" --steps $RL_STEPS --lr 1e-5 --out "$RUN/rl" ;;
+  teacher)
+    teacher_config
+    dsv41 sft --config "$RUN/teacher_config.json" "${COMMON[@]}" --steps $T_STEPS --batch-size 64 --lr 3e-4 \
+      --out "$RUN/teacher" ;;
+  opd) dsv41 opd --checkpoint "$RUN/sft" --teacher "$RUN/teacher" "${COMMON[@]}" "${LOOP[@]}" --steps $OPD_STEPS \
+      --lr 1e-5 --out "$RUN/opd" ;;
+  report) "$PY" -m dsv41.posttrain.plot "$RUN" ;;
+  smoke)
+    for s in sft rl teacher opd report; do
+      bash "$0" "$s" --device "$DEVICE" ${PRESET:+--preset "$PRESET"} --run "$RUN"
+    done ;;
+  *) echo "unknown stage $STAGE" >&2; exit 2 ;;
+esac
