@@ -70,7 +70,7 @@ def train_sft(model: Transformer, tok: Tok, problems: list[Problem], cfg: SFTCon
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(out.lm))
+        losses.append(float(out.lm.detach()))
         if metrics is not None and (step % cfg.log_every == 0 or step == start_step + cfg.steps):
             metrics.log({"stage": "sft", "step": step, "loss": losses[-1], "grad_norm": float(norm), "lr": lr})
     return losses
