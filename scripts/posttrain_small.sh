@@ -37,7 +37,7 @@ if [[ -n $PRESET ]]; then
   TEACHER_BASE=$PRESET
 else
   SRC=(--checkpoint models/dsv41-small); COMMON=(--device "$DEVICE" --eval-problems 64 --max-tokens 96 --digits 2,4)
-  SFT_STEPS=800; RL_STEPS=30; T_STEPS=2500; OPD_STEPS=30; LOOP=(--prompts-per-step 8 --max-in-flight 128)
+  SFT_STEPS=800; RL_STEPS=40; T_STEPS=2000; OPD_STEPS=30; LOOP=(--prompts-per-step 8 --max-in-flight 128)
   TEACHER_BASE=small
 fi
 
