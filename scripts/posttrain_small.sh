@@ -10,6 +10,8 @@
 #   bash scripts/posttrain_small.sh report    # the effort table + plots (runs/post/plots)
 #   bash scripts/posttrain_small.sh smoke --device cpu --preset tiny   # every stage, tiny sizes (CPU, ~5 min)
 #
+# Stages read the previous stage's checkpoint from --run (ignored by git, kept between calls on a warm device
+# machine): run them back to back on one machine. `report` copies eval.json, metrics and plots to $OUT when set.
 # Options after the stage: --device DEV (default cuda), --preset NAME (random-init student: smoke runs),
 # --run DIR (default runs/post).
 set -euo pipefail
@@ -62,7 +64,14 @@ case $STAGE in
       --out "$RUN/teacher" ;;
   opd) dsv41 opd --checkpoint "$RUN/sft" --teacher "$RUN/teacher" "${COMMON[@]}" "${LOOP[@]}" --steps $OPD_STEPS \
       --lr 1e-5 --out "$RUN/opd" ;;
-  report) "$PY" -m dsv41.posttrain.plot "$RUN" ;;
+  report)
+    "$PY" -m dsv41.posttrain.plot "$RUN"
+    if [[ -n ${OUT:-} ]]; then  # on the device machine: bring back the small files (no checkpoints)
+      for s in sft rl teacher opd; do
+        [[ -d $RUN/$s ]] && mkdir -p "$OUT/$s" && cp "$RUN/$s"/{eval.json,metrics.jsonl} "$OUT/$s/" 2>/dev/null || true
+      done
+      cp -r "$RUN/plots" "$OUT/" 2>/dev/null || true
+    fi ;;
   smoke)
     for s in sft rl teacher opd report; do
       bash "$0" "$s" --device "$DEVICE" ${PRESET:+--preset "$PRESET"} --run "$RUN"
