@@ -12,6 +12,7 @@
 #
 # Stages read the previous stage's checkpoint from --run (ignored by git, kept between calls on a warm device
 # machine): run them back to back on one machine. `report` copies eval.json, metrics and plots to $OUT when set.
+# Step counts: SFT_STEPS, RL_STEPS, T_STEPS (teacher), OPD_STEPS in the environment override the defaults.
 # Options after the stage: --device DEV (default cuda), --preset NAME (random-init student: smoke runs),
 # --run DIR (default runs/post).
 set -euo pipefail
@@ -39,7 +40,8 @@ if [[ -n $PRESET ]]; then
   TEACHER_BASE=$PRESET
 else
   SRC=(--checkpoint models/dsv41-small); COMMON=(--device "$DEVICE" --eval-problems 64 --max-tokens 96 --digits 2,4)
-  SFT_STEPS=800; RL_STEPS=40; T_STEPS=2000; OPD_STEPS=30; LOOP=(--prompts-per-step 8 --max-in-flight 128)
+  SFT_STEPS=${SFT_STEPS:-800}; RL_STEPS=${RL_STEPS:-40}; T_STEPS=${T_STEPS:-1500}; OPD_STEPS=${OPD_STEPS:-30}
+  LOOP=(--prompts-per-step 8 --max-in-flight 128)
   TEACHER_BASE=small
 fi
 
