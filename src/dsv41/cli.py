@@ -37,6 +37,10 @@ SUBCOMMANDS: dict[str, str] = {
     "demo": "dsv41.demo",
     "generate": "dsv41.engine.cli",
     "serve": "dsv41.server.cli",
+    "sft": "dsv41.posttrain.cli:SFT",
+    "rl": "dsv41.posttrain.cli:RL",
+    "opd": "dsv41.posttrain.cli:OPD",
+    "merge": "dsv41.posttrain.cli:MERGE",
 }
 
 

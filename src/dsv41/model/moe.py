@@ -64,6 +64,9 @@ class Gate(nn.Module):
             self.bias_vl = nn.Parameter(torch.zeros(self.n_routed, dtype=torch.float32), requires_grad=False)
         else:
             self.bias_vl = None
+        # route_hook(indices (N, k)) → indices to use: records routing (rollouts) or forces recorded ids
+        # (RL's routing replay, `posttrain/rollout.py`); the weights follow the ids it returns. None = off.
+        self.route_hook: Callable[[Tensor], Tensor] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -93,6 +96,8 @@ class Gate(nn.Module):
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask[:, None], self.bias_vl, self.bias)  # (N, E)
         indices = (scores + bias).topk(self.topk, dim=-1).indices  # (N, k)
+        if self.route_hook is not None:
+            indices = self.route_hook(indices)
         weights = scores.gather(1, indices)  # (N, k): the bias steers the choice, not the weight
         if self.norm_topk_prob and self.topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
