@@ -42,11 +42,15 @@ def sinkhorn_balance(G: Tensor, tau: float = 1e-3, iters: int = 11, eps: float =
     row_norms = S.sum(1).sqrt()  # (m,)
     d_r = (row_norms > tau * row_norms.mean()).to(X.dtype)  # masked rows start (and stay) at 0
     d_c = torch.ones(n, dtype=X.dtype, device=X.device)
+    # a row or column whose norm is 0 (all of G zero, or a column with only masked rows) gets scale 0:
+    # 1 / eps would square to inf in fp32 and make 0 · inf = NaN in the next product
     for k in range(iters):
         if k % 2 == 0:  # rows of D_r X D_c to unit norm
-            d_r = d_r / (d_r * (S @ d_c.square()).sqrt() + eps)
+            norm = d_r * (S @ d_c.square()).sqrt()  # (m,)
+            d_r = torch.where(norm > 0, d_r / (norm + eps), torch.zeros_like(d_r))
         else:  # columns to unit norm
-            d_c = d_c / (d_c * (d_r.square() @ S).sqrt() + eps)
+            norm = d_c * (d_r.square() @ S).sqrt()  # (n,)
+            d_c = torch.where(norm > 0, d_c / (norm + eps), torch.zeros_like(d_c))
     delta = (n**0.5 * d_r)[:, None] * X * d_c[None, :]  # (m, n); rows of norm √n ⇒ row RMS 1
     if transposed:
         delta = delta.T
