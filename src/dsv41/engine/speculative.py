@@ -87,8 +87,9 @@ class Drafter(Protocol):
 @dataclass
 class StepTimeCurve:
     """Seconds of one verification forward as a function of the tokens it computes (rows × positions):
-    piecewise linear through the profiled points, flat below the first, extrapolated from the last two
-    above the last. Profiled once at engine start-up (`profile_step_time`), kept on the engine."""
+    piecewise linear through the profiled points, flat below the first (and everywhere with one point),
+    extrapolated from the last two above the last. Profiled once at engine start-up (`profile_step_time`),
+    kept on the engine."""
 
     points: list[tuple[int, float]]  # (tokens, seconds), increasing tokens
 
@@ -102,10 +103,8 @@ class StepTimeCurve:
 
     def __call__(self, n_tokens: int) -> float:
         xs = [n for n, _ in self.points]
-        if n_tokens <= xs[0] or len(xs) == 1:
-            if n_tokens <= xs[0]:
-                return self.points[0][1]
-            return self.points[0][1] * n_tokens / xs[0]  # one point: proportional beyond it
+        if n_tokens <= xs[0] or len(xs) == 1:  # one point: flat
+            return self.points[0][1]
         i = min(max(bisect.bisect_left(xs, n_tokens), 1), len(xs) - 1)
         (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
         return max(y0 + (y1 - y0) * (n_tokens - x0) / (x1 - x0), 1e-9)
@@ -226,14 +225,14 @@ class Verdict:
     tokens: list[int]  # the accepted drafts, then the correction / bonus token (accepted + 1 tokens)
 
 
-def _draw(probs: Tensor, generator: torch.Generator | None) -> int:
-    """One token from a probability vector (V,) by inverting its CDF with one uniform of `generator`."""
-    cdf = probs.double().cumsum(0)
-    u = torch.rand((), generator=generator, device=generator.device if generator is not None else "cpu",
-                   dtype=torch.float64).to(cdf.device)
-    i = int(torch.searchsorted(cdf, (u * cdf[-1]).view(1), right=True))
-    nonzero = torch.nonzero(probs > 0)
-    return min(i, int(nonzero[-1])) if nonzero.numel() else int(probs.argmax())
+def _draw(probs: Tensor, u: Tensor) -> Tensor:
+    """One token per row from probability rows (R, V) by inverting their CDFs at uniforms u (R,), never
+    past a row's last nonzero entry (rounding guard)."""
+    cdf = probs.double().cumsum(dim=-1)  # (R, V)
+    index = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)  # (R,)
+    V = probs.size(-1)
+    last = V - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # (R,) last token with mass
+    return torch.minimum(index, last)
 
 
 def rejection_residual(p: Tensor, q: Tensor | None, x: int) -> Tensor:
@@ -251,37 +250,66 @@ def verify(logits: Tensor, drafts: list[list[int]], lengths: list[int], params: 
     """Acceptance for each row: logits (B, T, V) of the verified positions (position l predicts the token
     after draft l), drafts[b][:lengths[b]] the drafted tokens, draft_probs (B, k, V) their distributions
     (None: deterministic drafts, q = one-hot). Greedy rows: exact match with the argmax (no random draw).
-    Sampled rows: the rejection rule against p = `sampling_probs` (what plain sampling draws from); the
-    row's generator gives one uniform per tested draft and one for the correction or bonus token."""
-    out: list[Verdict] = []
+    Sampled rows: the rejection rule against p = `sampling_probs` (what plain sampling draws from): draft l
+    is accepted iff u_l · q(x) < p(x), i.e. with probability min(1, p(x)/q(x)); the first rejected one is
+    replaced by a draw from `rejection_residual`, or after L acceptances a bonus token is drawn from p_L.
+    A sampled row takes L + 1 uniforms from its generator per verification (the last one for that draw)."""
+    B, T, V = logits.shape
+    out: list[Verdict | None] = [None] * B
     greedy_ids = logits.argmax(dim=-1).tolist()  # (B, T): ties to the lowest id, as `sample`
+    sampled = []
     for b, (prm, L) in enumerate(zip(params, lengths)):
         d = drafts[b][:L]
-        if prm.greedy:
-            a = 0
-            while a < L and d[a] == greedy_ids[b][a]:
-                a += 1
-            out.append(Verdict(a, d[:a] + [greedy_ids[b][a]]))
+        if not prm.greedy:
+            sampled.append(b)
             continue
-        p = sampling_probs(logits[b, :L + 1], [prm] * (L + 1))  # (L + 1, V)
-        gen = generators[b]
-        a, final = 0, None
-        while a < L:
-            x = d[a]
-            q = draft_probs[b, a].to(p) if draft_probs is not None else None
-            qx = float(q[x]) if q is not None else 1.0
-            px = float(p[a, x])
-            u = float(torch.rand((), generator=gen, device=gen.device if gen is not None else "cpu",
-                                 dtype=torch.float64))
-            if u * qx < px:  # accepted with probability min(1, p(x) / q(x))
-                a += 1
-                continue
-            final = _draw(rejection_residual(p[a], q, x), gen)
-            break
-        if final is None:
-            final = _draw(p[L], gen)  # every draft accepted: the bonus token from p
-        out.append(Verdict(a, d[:a] + [final]))
-    return out
+        a = 0
+        while a < L and d[a] == greedy_ids[b][a]:
+            a += 1
+        out[b] = Verdict(a, d[:a] + [greedy_ids[b][a]])
+    if not sampled:
+        return out  # type: ignore[return-value]
+    device = logits.device
+    rows = torch.tensor(sampled, device=device)
+    S = len(sampled)
+    p = sampling_probs(logits[rows].reshape(S * T, V), [params[b] for b in sampled for _ in range(T)])
+    p = p.view(S, T, V)  # (S, T, V)
+    x = torch.tensor([(drafts[b] + [0] * T)[:T - 1] for b in sampled], device=device).view(S, T - 1)  # (S, T − 1)
+    px = p[:, :T - 1].gather(2, x.unsqueeze(-1)).squeeze(-1)  # (S, T − 1)
+    q = None
+    if draft_probs is not None:
+        q = draft_probs[rows, :T - 1].to(p)  # (S, T − 1, V)
+        qx = q.gather(2, x.unsqueeze(-1)).squeeze(-1)
+    else:
+        qx = torch.ones_like(px)
+    u = torch.stack([_uniforms(generators[b], lengths[b] + 1, T, device) for b in sampled])  # (S, T)
+    ok = (u[:, :T - 1] * qx.double() < px.double()).tolist()  # (S, T − 1)
+    u_l = u.tolist()
+    accepted, final_rows, final_u = [], [], []
+    for i, b in enumerate(sampled):
+        L = lengths[b]
+        a = 0
+        while a < L and ok[i][a]:
+            a += 1
+        accepted.append(a)
+        if a < L:  # rejected: norm(max(0, p − q)) at position a
+            r = rejection_residual(p[i, a], None if q is None else q[i, a], int(x[i, a]))
+        else:
+            r = p[i, L]  # every draft accepted: the bonus token from p
+        final_rows.append(r)
+        final_u.append(u_l[i][L])
+    finals = _draw(torch.stack(final_rows), torch.tensor(final_u, device=device)).tolist()
+    for i, b in enumerate(sampled):
+        a = accepted[i]
+        out[b] = Verdict(a, drafts[b][:a] + [finals[i]])
+    return out  # type: ignore[return-value]
+
+
+def _uniforms(generator: torch.Generator | None, n: int, width: int, device: torch.device) -> Tensor:
+    """n uniforms from a row's generator (the global RNG when None), zero-padded to `width` (float64)."""
+    dev = generator.device if generator is not None else torch.device("cpu")
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=dev).to(device)
+    return torch.cat((u, u.new_zeros(width - n)))
 
 
 # ---------------------------------------------------------------------------------------------- drafters
