@@ -343,17 +343,19 @@ class SequenceCache:
     def swap_out(self) -> dict[str, Tensor]:
         """Copy everything the pools hold for this sequence to the host and release the pools
         (bit-exact: `swap_in` restores the same bytes)."""
+        # copies, also on the CPU (where .cpu() would return views of the slot's rows: the slot's next
+        # owner would overwrite the swapped-out state)
         state: dict[str, Tensor] = {
-            "ring_rows": self.pools.ring_rows[:, self.slot].cpu(),
-            "ring_positions": self.pools.ring_positions[:, self.slot].cpu(),
+            "ring_rows": self.pools.ring_rows[:, self.slot].to("cpu", copy=True),
+            "ring_positions": self.pools.ring_positions[:, self.slot].to("cpu", copy=True),
         }
         for s, store in self.entry_stores.items():
             state[f"{s}.kv"] = store.kv.read().cpu()
             state[f"{s}.index_k"] = store.index_k.read().cpu()
             p = self.pools.sources[s]
             if p.pending_kv is not None:
-                state[f"{s}.pending_kv"] = p.pending_kv[self.slot].cpu()
-                state[f"{s}.pending_score"] = p.pending_score[self.slot].cpu()
+                state[f"{s}.pending_kv"] = p.pending_kv[self.slot].to("cpu", copy=True)
+                state[f"{s}.pending_score"] = p.pending_score[self.slot].to("cpu", copy=True)
         self.release()
         return state
 
