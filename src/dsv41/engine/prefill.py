@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -235,12 +236,12 @@ class PrefillJob:
         start = torch.tensor([replay], device=seq.device)
         continue_windows = self.continue_windows and replay == self.start0
         mask = self.images.piece(replay, self.n_total)[0] if self.images is not None else None
-        layers = range(c.encoder_layers, c.n_layers)
-        capture = self._capture(layers)
-        h, pre_mix = runner.forward([seq], torch.tensor([ids], device=seq.device), [replay], layers,
-                                    self.tail_h[:, -n_replay:], self.tail_pre[:, -n_replay:],
-                                    replay_start=None if continue_windows else start, compress=False, image_mask=mask,
-                                    capture=capture)
+        capture = self._capture(range(c.encoder_layers, c.n_layers))
+        forward = partial(runner.forward, capture=capture)  # hidden states for a speculative drafter
+        h, pre_mix = forward([seq], torch.tensor([ids], device=seq.device), [replay],
+                                    range(c.encoder_layers, c.n_layers), self.tail_h[:, -n_replay:],
+                                    self.tail_pre[:, -n_replay:], replay_start=None if continue_windows else start,
+                                    compress=False, image_mask=mask)
         self._keep_features(capture)
         self._trim_features()
         self.done = True
