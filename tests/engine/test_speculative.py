@@ -205,25 +205,28 @@ def test_the_oracle_drafts_are_all_accepted_and_random_drafts_none():
 
 def test_sampled_speculation_draws_every_token_from_plain_samplings_conditional():
     """Each token of a sampled speculative run must be distributed as p(· | the tokens before it), the
-    distribution plain sampling draws from (temperature 0.8, top-k 6, from the full forward in fp64 of the
+    distribution plain sampling draws from (temperature 1.2, top-k 8, from the full forward of the
     model: exact prefill makes the engine's cached forward the same function). Randomized probability
     integral transform: u = F(x − 1) + v·p(x), v ~ U(0, 1), is i.i.d. uniform iff every x ~ p — tested by
-    χ² over 10 bins on 16 sequences × 40 tokens, with a random proposal distribution q ≠ p."""
+    χ² over 10 bins on 32 sequences × 40 tokens, with a random proposal distribution q ≠ p. And the
+    probability of the emitted token, Σ_t p_t(x_t), against its exact mean Σ_t Σ_y p_t(y)² and variance
+    (a martingale: |z| < 4), and how often tokens with p < 0.1 are emitted against their exact share — both
+    sensitive to low-probability tokens emitted too often (a biased acceptance)."""
     V = 12
     model = engine_test_model(45, vocab_size=V)
     with torch.no_grad():
-        model.head.weight.mul_(12.0)  # peaked, varied distributions (a random tiny head is near uniform)
-    params = [SamplingParams(temperature=0.8, top_k=6, max_tokens=40, seed=100 + i) for i in range(16)]
+        model.head.weight.mul_(6.0)  # peaked, varied distributions (a random tiny head is near uniform)
+    params = [SamplingParams(temperature=1.2, top_k=8, max_tokens=40, seed=100 + i) for i in range(32)]
     drafter = NoisyDrafter(V, 4, distribution=True, noise=1.0, seed=3)
-    engine = Engine(model, max_batch=16, max_seq_len=128, drafter=drafter, step_time=FLAT)
+    engine = Engine(model, max_batch=32, max_seq_len=128, drafter=drafter, step_time=FLAT)
     g = torch.Generator().manual_seed(45)
-    prompts = [torch.randint(3, V, (int(n),), generator=g).tolist() for n in torch.randint(1, 6, (16,), generator=g)]
+    prompts = [torch.randint(3, V, (int(n),), generator=g).tolist() for n in torch.randint(1, 6, (32,), generator=g)]
     seqs = [engine.add_request(p, prm, exact_prefill=True) for p, prm in zip(prompts, params)]
     while engine.has_work():
         engine.step()
     st = engine.stats.speculative
     assert 0 < st.accepted < st.drafted, st.summary()  # drafts tested, some accepted, some replaced
-    u_all = []
+    u_all, z_num, z_var, tail_num, tail_var = [], 0.0, 0.0, 0.0, 0.0
     for seq, prm in zip(seqs, params):
         full = torch.tensor([seq.prompt + seq.output])
         with torch.no_grad():
@@ -235,11 +238,21 @@ def test_sampled_speculation_draws_every_token_from_plain_samplings_conditional(
         below = (p.cumsum(1) - p).gather(1, x.unsqueeze(1)).squeeze(1)
         v = torch.rand(len(x), generator=g, dtype=torch.float64)
         u_all.append(below + v * px)
+        mean, second = (p ** 2).sum(1), (p ** 3).sum(1)  # E p(x), E p(x)² under x ~ p
+        z_num += float((px - mean).sum())
+        z_var += float((second - mean ** 2).sum())
+        tail = (p * (p < 0.1)).sum(1)  # P(p(x) < 0.1) under x ~ p: the rare tokens' share
+        tail_num += float(((px < 0.1).double() - tail).sum())
+        tail_var += float((tail * (1 - tail)).sum())
     u = torch.cat(u_all).numpy()
     counts = np.bincount(np.minimum((u * 10).astype(int), 9), minlength=10)
     expected = len(u) / 10
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 27.88, f"chi2 {chi2:.1f} (df 9) over {len(u)} tokens; bins {counts}"  # p = 0.001
+    z, z_tail = z_num / z_var ** 0.5, tail_num / tail_var ** 0.5
+    print(f"chi2 {chi2:.1f}, z {z:.2f}, z_tail {z_tail:.2f} over {len(u)} tokens")
+    assert abs(z) < 4, f"the emitted tokens' probability is off by z = {z:.2f} over {len(u)} tokens"
+    assert abs(z_tail) < 4, f"tokens with p < 0.1 emitted off their share by z = {z_tail:.2f} over {len(u)} tokens"
 
 
 def test_a_prefix_save_after_speculation_stores_only_accepted_tokens(tmp_path):
