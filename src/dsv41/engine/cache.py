@@ -320,21 +320,42 @@ class SequenceCache:
         for i in layers if layers is not None else range(len(self.windows)):
             self.windows[i].clear()
 
+    def truncate(self, n_tokens: int) -> None:
+        """Forget every token from `n_tokens` on (a speculative rollback, `engine/speculative.py`): the
+        token ids, the entries and index keys of the groups they completed (write-then-truncate: entries
+        are append-only, so dropping the row counts is the whole undo) and the pages no longer needed.
+        Windows and partial groups are the caller's (`VerifyRollback` restores them from its snapshot)."""
+        if not 0 <= n_tokens <= self.n_tokens:
+            raise ValueError(f"truncate to {n_tokens} tokens: the cache holds {self.n_tokens}")
+        del self.tokens[n_tokens:]
+        R = self.pools.page_rows
+        for s, store in self.entry_stores.items():
+            n_entries = n_tokens // store.ratio
+            store.kv.n_rows = store.index_k.n_rows = min(store.kv.n_rows, n_entries)
+            pages = self.pages[s]
+            need = pages_for(store.kv.n_rows, R)
+            if len(pages) > need:
+                self.pools.free_page_ids(s, pages[need:])
+                del pages[need:]
+                self.pools.set_table(s, self.slot, pages)
+
     # ------------------------------------------------------------------ preemption (swap)
     def swap_out(self) -> dict[str, Tensor]:
         """Copy everything the pools hold for this sequence to the host and release the pools
         (bit-exact: `swap_in` restores the same bytes)."""
+        # copies, also on the CPU (where .cpu() would return views of the slot's rows: the slot's next
+        # owner would overwrite the swapped-out state)
         state: dict[str, Tensor] = {
-            "ring_rows": self.pools.ring_rows[:, self.slot].cpu(),
-            "ring_positions": self.pools.ring_positions[:, self.slot].cpu(),
+            "ring_rows": self.pools.ring_rows[:, self.slot].to("cpu", copy=True),
+            "ring_positions": self.pools.ring_positions[:, self.slot].to("cpu", copy=True),
         }
         for s, store in self.entry_stores.items():
             state[f"{s}.kv"] = store.kv.read().cpu()
             state[f"{s}.index_k"] = store.index_k.read().cpu()
             p = self.pools.sources[s]
             if p.pending_kv is not None:
-                state[f"{s}.pending_kv"] = p.pending_kv[self.slot].cpu()
-                state[f"{s}.pending_score"] = p.pending_score[self.slot].cpu()
+                state[f"{s}.pending_kv"] = p.pending_kv[self.slot].to("cpu", copy=True)
+                state[f"{s}.pending_score"] = p.pending_score[self.slot].to("cpu", copy=True)
         self.release()
         return state
 

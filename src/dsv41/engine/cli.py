@@ -12,6 +12,10 @@ Images (`--image FILE`, repeatable, in order) go where the prompt says `<image>`
 
 The summary line (stderr) reports prompt tokens, prefill milliseconds, decode tokens per second and
 the measured global KV bytes per token of the sequence's cache.
+
+--speculative dspark decodes speculatively with the checkpoint's DSpark drafter (docs/speculative.md;
+an error when it has none); --speculative oracle drafts with a copy of the model itself (every greedy
+draft is accepted: it exercises the mechanism, it is not faster). -v adds the acceptance statistics.
 """
 
 from __future__ import annotations
@@ -51,7 +55,33 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--exact-prefill", action="store_true", help="run every layer over every prompt token")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--speculative", choices=["off", "dspark", "oracle"], default="off",
+                   help="speculative decoding: the checkpoint's DSpark drafter, or the model itself as an oracle "
+                        "(a mechanism test); default off")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help="tokens drafted per step (default: dspark_block_size - 1, or 4)")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print speculative acceptance statistics")
     return p
+
+
+def build_speculative(args: argparse.Namespace, model, max_batch: int) -> dict:
+    """Engine keyword arguments for --speculative (empty when off); ConfigError when it cannot run."""
+    kind = getattr(args, "speculative", "off")
+    if kind == "off":
+        return {}
+    from dsv41.engine.speculative import SpeculativeError, build_drafter
+
+    c = model.config
+    k = args.draft_tokens if getattr(args, "draft_tokens", None) is not None else (
+        c.dspark_block_size - 1 if c.dspark_block_size > 1 else 4)
+    if not 1 <= k < c.window_size:
+        raise ConfigError(f"--draft-tokens must be in 1..{c.window_size - 1}, got {k}")
+    try:
+        drafter = build_drafter(kind, model, checkpoint=getattr(args, "checkpoint", None), k=k,
+                                max_sequences=max_batch)
+    except SpeculativeError as e:
+        raise ConfigError(str(e)) from None
+    return {"drafter": drafter}
 
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[3] / "models" / "dsv41-small"  # the repo's trained model
@@ -174,7 +204,9 @@ def run(args: argparse.Namespace) -> int:
     if len(prompt) > model.config.max_seq_len:
         raise ConfigError(f"prompt has {len(prompt)} tokens, more than the model's context {model.config.max_seq_len}")
     params.stop_token_ids = [tok.eos_id] + ([tok.end_turn_id] if getattr(args, "chat", False) else [])
-    engine = Engine(model, prefill_chunk=args.prefill_chunk)
+    speculative = build_speculative(args, model, 1)  # one request: one row to profile and draft for
+    options = dict(max_batch=1, **speculative) if speculative else {}
+    engine = Engine(model, prefill_chunk=args.prefill_chunk, **options)
     try:
         req = engine.add_request(prompt, params, exact_prefill=args.exact_prefill, images=images or None)
     except ValueError as e:  # images that do not fit the prompt
@@ -194,4 +226,6 @@ def run(args: argparse.Namespace) -> int:
     tps = decode_tokens / req.decode_s if req.decode_s > 0 else float("nan")
     print(f"[prompt {len(prompt)} tok | prefill {req.prefill_ms:.1f} ms | decode {tps:.1f} tok/s | "
           f"KV {req.cache.bytes_per_token():g} B/token | {len(req.output)} tok in {elapsed:.2f} s]", file=sys.stderr)
+    if getattr(args, "verbose", False) and engine.stats.speculative is not None:
+        print(f"[{engine.stats.speculative.summary()}]", file=sys.stderr)
     return 0

@@ -10,6 +10,10 @@ The engine speaks token ids (tokenization happens at the edges). `generate` is t
   3. sampling, stop checks, and the end of finished requests (prefix cache save, pages freed).
 Every pool is allocated once (`BlockManager`); running out of pages preempts the newest sequence
 to host memory (bit-exact swap) instead of reserving worst-case memory up front.
+With a `drafter` (speculative decoding, `engine/speculative.py`, docs/speculative.md) step 1 becomes:
+the drafter proposes k tokens per sequence, a verification length per sequence is chosen against
+the step-time curve profiled at start-up, the main model verifies them in one eager forward through
+the caches, the accepted prefix (+ one token) is emitted and everything else is rolled back.
 A request that fails alone (a sampler error, say) finishes with `error` set; the others go on.
 """
 
@@ -28,10 +32,20 @@ from dsv41.engine.cache import SequenceCache
 from dsv41.engine.graphs import DecodeGraphs
 from dsv41.engine.prefill import PrefillJob, encode_prompt_images
 from dsv41.engine.prefix import PrefixCache, image_namespace
-from dsv41.engine.runner import DecodeIO, Runner
+from dsv41.engine.runner import Capture, DecodeIO, Runner
 from dsv41.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
 from dsv41.engine.scheduler import Scheduler
 from dsv41.engine.sequence import Sequence, SequenceStatus
+from dsv41.engine.speculative import (
+    Drafter,
+    SpeculativeStats,
+    StepTimeCurve,
+    VerifyRollback,
+    choose_lengths,
+    profile_step_time,
+    verify,
+)
+from dsv41.model.mhc import hc_pre
 from dsv41.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -58,6 +72,7 @@ class EngineStats:
     prefill_tokens: int = 0
     preemptions: int = 0
     failures: int = 0
+    speculative: SpeculativeStats | None = None  # acceptance counters and histogram when speculating
 
 
 def _keep_fp32_weights_in_fp32(model: Transformer) -> None:
@@ -78,12 +93,13 @@ class Engine:
                  token_budget: int | None = None, exact_prefill: bool = False,
                  prefix_cache: PrefixCache | None = None, max_seq_len: int | None = None,
                  max_tokens: int | None = None, cuda_graphs: bool | None = None, graph_min_entries: int = 1024,
-                 page_rows: int = PAGE_ROWS):
+                 page_rows: int = PAGE_ROWS, drafter: Drafter | None = None, step_time: StepTimeCurve | None = None):
         """max_seq_len bounds one sequence (default: the config's); max_tokens sizes the global-KV
         pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
         max_seq_len); token_budget = tokens per step (default prefill_chunk + max_batch);
         cuda_graphs: replay decode steps from CUDA graphs (default: on CUDA devices); page_rows =
-        entries per page of the global-KV pools."""
+        entries per page of the global-KV pools. drafter: speculative decoding (off when None);
+        step_time: its verification step-time curve (default: profiled here, `profile_step_time`)."""
         self.model = model.eval()
         self.config = c = model.config
         self.device = next(model.parameters()).device
@@ -102,9 +118,20 @@ class Engine:
                 if moe.n_routed <= 4 * moe.topk:
                     moe.moe_impl = "dense"
         _keep_fp32_weights_in_fp32(model)
-        self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch)
-        self.stats = EngineStats()
+        self.drafter = drafter
+        self.step_time = step_time
+        decode_tokens = 1
+        if drafter is not None:
+            if not 1 <= drafter.k < c.window_size:
+                raise ValueError(f"drafter proposes k = {drafter.k}; 1 <= k < window_size = {c.window_size} needed")
+            decode_tokens = drafter.k + 1
+            if self.step_time is None:  # the start-up profile the verification-length scheduler plans with
+                self.step_time = profile_step_time(self.runner, self.pools, k=drafter.k, max_batch=max_batch)
+        self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch,
+                                   decode_tokens=decode_tokens)
+        self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
         self._ids = itertools.count()
+        self._drafting: set[int] = set()  # ids of the sequences the drafter has started
 
     # ------------------------------------------------------------------ request API
     @property
@@ -156,13 +183,19 @@ class Engine:
         outputs: list[StepOutput] = []
         if batch.decode:
             t0 = time.perf_counter()
-            logits = self._decode(batch.decode)
-            outputs.extend(self._emit(batch.decode, logits))
+            if self.drafter is not None:
+                outputs.extend(self._speculate(batch.decode))
+            else:
+                logits = self._decode(batch.decode)
+                outputs.extend(self._emit(batch.decode, logits))
             dt = time.perf_counter() - t0
             for seq in batch.decode:
                 seq.decode_s += dt / len(batch.decode)
         for seq, n in batch.prefill:
             t0 = time.perf_counter()
+            if self.drafter is not None and not seq.job.capture_layers:
+                seq.job.capture_layers = tuple(self.drafter.features_wanted())
+                seq.job.capture_at = getattr(self.drafter, "features_at", "output")
             try:
                 logits = seq.job.step(n)
             except Exception as err:  # noqa: BLE001 - one request's failure must not stop the batch
@@ -173,9 +206,13 @@ class Engine:
             self.stats.prefill_pieces += 1
             self.stats.prefill_tokens += n
             if logits is not None:
-                seq.job = None
+                features, seq.job = seq.job.features, None
                 if self.prefix_cache is not None and not seq.exact_prefill:
                     self.prefix_cache.save(seq.cache, ends=[len(seq.prompt)], namespace=seq.namespace)
+                if self.drafter is not None:
+                    self.drafter.start(seq.id)
+                    self._drafting.add(seq.id)
+                    self.drafter.observe(seq.id, torch.tensor(seq.cache.tokens, device=self.device), features)
                 outputs.extend(self._emit([seq], logits.unsqueeze(0)))
         return outputs
 
@@ -192,7 +229,7 @@ class Engine:
         return {s: self.pools.free_pages(s) for s in self.pools.sources}
 
     def pages_to_grow(self, seq: Sequence, n_tokens: int) -> dict[int, int]:
-        target = seq.num_cached_tokens + n_tokens
+        target = min(seq.num_cached_tokens + n_tokens, self.max_seq_len)
         if target < seq.cache.page_limit():  # the pages held cover it (almost every decode step)
             return {}
         return self.pools.pages_needed(target, seq.cache.pages_held())
@@ -250,6 +287,100 @@ class Engine:
         self.stats.decode_steps += 1
         self.stats.decode_tokens += B
         return logits
+
+    # ------------------------------------------------------------------ speculative decode
+    def _verify_caps(self, seqs: list[Sequence]) -> tuple[list[int], int]:
+        """Per row the longest useful verification (drafts ≤ k, emitted tokens ≤ max_tokens left) and the
+        batch's bound (every row's padded block must fit max_seq_len)."""
+        k = self.drafter.k
+        room = [self.max_seq_len - s.num_cached_tokens - 1 for s in seqs]  # positions left after the pending one
+        caps = [max(0, min(k, s.params.max_tokens - len(s.output) - 1, r)) for s, r in zip(seqs, room)]
+        return caps, max(0, min(room))
+
+    def _propose(self, seqs: list[Sequence]):
+        """The drafter's proposal for the batch, checked (None when it fails: the step verifies no draft)."""
+        k, B = self.drafter.k, len(seqs)
+        try:
+            prop = self.drafter.propose([s.id for s in seqs], torch.tensor([s.next_token for s in seqs],
+                                                                            device=self.device))
+            if tuple(prop.tokens.shape) != (B, k) or tuple(prop.confidence.shape) != (B, k):
+                raise ValueError(f"proposal shapes {tuple(prop.tokens.shape)}, {tuple(prop.confidence.shape)}; "
+                                 f"({B}, {k}) expected")
+            tokens = prop.tokens.long()
+            if bool(((tokens < 0) | (tokens >= self.config.vocab_size)).any()):
+                raise ValueError("proposal holds token ids outside the vocabulary")
+            if prop.probs is not None and tuple(prop.probs.shape) != (B, k, self.config.vocab_size):
+                raise ValueError(f"proposal probs of shape {tuple(prop.probs.shape)}")
+            return prop
+        except Exception:  # noqa: BLE001 - a broken drafter costs speed, never correctness
+            log.exception("the drafter failed; this step verifies no drafts")
+            return None
+
+    def _speculate(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """One verification step: propose, choose lengths, verify in one forward, accept, roll back, emit."""
+        c, B, stats = self.config, len(seqs), self.stats.speculative
+        caps, batch_cap = self._verify_caps(seqs)
+        prop = self._propose(seqs)
+        if prop is None:
+            lengths = [0] * B
+            drafts = [[] for _ in seqs]
+        else:
+            confidence = prop.confidence.float().clamp(0, 1).tolist()
+            lengths = choose_lengths(confidence, [min(cap, batch_cap) for cap in caps], self.step_time, padded=True)
+            drafts = prop.tokens.long().tolist()
+        T = max(lengths) + 1
+        # rows shorter than T are padded with their own later drafts (never accepted, rolled back)
+        block = [[s.next_token] + (d + [s.next_token] * T)[:T - 1] for s, d in zip(seqs, drafts)]
+        caches = [s.cache for s in seqs]
+        starts = [cache.n_tokens for cache in caches]
+        rollback = VerifyRollback(self.pools, caches, starts, T)
+        capture = Capture(layers=tuple(self.drafter.features_wanted()),
+                          at=getattr(self.drafter, "features_at", "output"), projections=True)
+        h, pre_mix = self.runner.forward(caches, torch.tensor(block, device=self.device), starts,
+                                         range(c.n_layers), capture=capture)
+        for cache, row in zip(caches, block):
+            cache.tokens.extend(row)
+        logits = self.model.head_logits(hc_pre(h, pre_mix))  # (B, T, V) fp32
+        verdicts = verify(logits, drafts, lengths, [s.params for s in seqs], [s.generator for s in seqs],
+                          None if prop is None else prop.probs)
+        plans = [self._emission(s, v.tokens, start) for s, v, start in zip(seqs, verdicts, starts)]
+        rollback.restore([len(tokens) for tokens, _ in plans], capture.kv_projections)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += sum(len(tokens) for tokens, _ in plans)
+        stats.forwards += 1
+        outputs: list[StepOutput] = []
+        for b, (seq, v, (tokens, reason)) in enumerate(zip(seqs, verdicts, plans)):
+            stats.record(lengths[b], v.accepted, len(tokens))
+            logprobs = self._logprobs([seq] * len(tokens), logits[b, :len(tokens)], tokens)
+            if reason is None:  # the drafter sees the committed block positions
+                keep = len(tokens)
+                self.drafter.observe(seq.id, torch.tensor(block[b][:keep], device=self.device),
+                                     {i: f[b, :keep] for i, f in capture.features.items()})
+            for j, (token, (lp, top)) in enumerate(zip(tokens, logprobs)):
+                last = j == len(tokens) - 1
+                if last and reason == "stop":
+                    seq.finish_reason = "stop"
+                    self._finish(seq)
+                    outputs.append(StepOutput(seq, None, True, lp, top))
+                    break
+                seq.output.append(token)
+                seq.next_token = token
+                if last and reason is not None:
+                    seq.finish_reason = reason
+                    self._finish(seq)
+                outputs.append(StepOutput(seq, token, seq.finished, lp, top))
+        return outputs
+
+    def _emission(self, seq: Sequence, tokens: list[int], start: int) -> tuple[list[int], str | None]:
+        """The tokens a verification emits, cut where plain decoding would have finished, and the finish
+        reason (None: it goes on). After the j-th token plain decoding would hold start + j tokens."""
+        out_len = len(seq.output)
+        for j, token in enumerate(tokens, start=1):
+            if token in seq.params.stop_token_ids:
+                return tokens[:j], "stop"
+            if out_len + j >= seq.params.max_tokens or start + j + 1 >= self.max_seq_len:
+                return tokens[:j], "length"
+        return tokens, None
 
     # ------------------------------------------------------------------ sampling and finishing
     def _emit(self, seqs: list[Sequence], logits: Tensor) -> list[StepOutput]:
@@ -323,6 +454,9 @@ class Engine:
         self._retire(seq)
 
     def _retire(self, seq: Sequence) -> None:
+        if seq.id in self._drafting:
+            self._drafting.discard(seq.id)
+            self.drafter.finish(seq.id)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.job = None

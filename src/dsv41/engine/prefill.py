@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from dsv41.engine.cache import SequenceCache
-from dsv41.engine.runner import Runner
+from dsv41.engine.runner import Capture, Runner
 from dsv41.plan import FULL
 
 
@@ -91,11 +92,16 @@ class PrefillJob:
     Pieces: encoder (or, exact, all-layer) chunks of at most `chunk` tokens — any size the caller
     allows — then one decoder replay of at most n_win tokens. `plan(budget)` lists the next pieces
     that fit a token budget; `step(n)` runs one and returns the last position's logits (vocab,)
-    fp32 after the final piece, None before."""
+    fp32 after the final piece, None before.
+
+    capture_layers: block ids whose hidden states a speculative drafter wants (`engine/speculative.py`);
+    after the final piece `features` holds, per layer, the mean over streams at the prompt's last m
+    positions (m, dim), m ≤ n_win — the decoder runs over the last n_win tokens only."""
 
     def __init__(self, runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,
                  exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False,
-                 images: PromptImages | None = None):
+                 images: PromptImages | None = None, capture_layers: tuple[int, ...] = (),
+                 capture_at: str = "output"):
         if not tokens:
             raise ValueError("prefill needs at least one token")
         if chunk < 1:
@@ -117,6 +123,8 @@ class PrefillJob:
         self.done = False
         self.tail_h: Tensor | None = None
         self.tail_pre: Tensor | None = None
+        self.capture_layers, self.capture_at = tuple(capture_layers), capture_at
+        self.features: dict[int, Tensor] = {}  # layer → (m, dim), the last positions run
         if encoder_replay:
             seq.clear_windows(range(c.n_layers))
 
@@ -173,9 +181,11 @@ class PrefillJob:
         replayed = hi <= self.start0  # cached tokens run again: window KV only
         ids = seq.tokens[lo:hi] if replayed else self.tokens[lo - self.start0:hi - self.start0]
         mask, embeds = self.images.piece(lo, hi) if self.images is not None else (None, None)
+        capture = self._capture(self.layers)
         h, pre_mix = runner.forward([seq], torch.tensor([ids], device=seq.device), [lo], self.layers,
                                     replay_start=self.replay_start, compress=not replayed, image_mask=mask,
-                                    image_embeds=embeds)
+                                    image_embeds=embeds, capture=capture)
+        self._keep_features(capture)
         c = runner.config
         enc = c.encoder_layers
         if not self.exact and not replayed and enc < c.n_layers and c.compress_ratios[enc] \
@@ -187,10 +197,30 @@ class PrefillJob:
         if self.exact:
             if hi >= self.n_total:
                 self.done = True
+                self._trim_features()
                 return runner.logits(h, pre_mix)[0]
             return None
         self._keep_tail(h, pre_mix)
         return None
+
+    def _capture(self, layers: range) -> Capture | None:
+        wanted = tuple(i for i in self.capture_layers if i in layers)
+        return Capture(layers=wanted, at=self.capture_at) if wanted else None
+
+    def _keep_features(self, capture: Capture | None) -> None:
+        """Append a piece's captured hidden states (1, T, dim) to the per-layer tails (last n_win rows)."""
+        if capture is None:
+            return
+        W = self.runner.config.window_size
+        for i, f in capture.features.items():
+            rows = f[0] if i not in self.features else torch.cat((self.features[i], f[0]))
+            self.features[i] = rows[-W:]
+
+    def _trim_features(self) -> None:
+        """Every layer's features cover the same last positions (the shortest tail)."""
+        if self.features:
+            m = min(f.size(0) for f in self.features.values())
+            self.features = {i: f[-m:] for i, f in self.features.items()}
 
     def _keep_tail(self, h: Tensor, pre_mix: Tensor) -> None:
         W = self.runner.config.window_size
@@ -206,10 +236,14 @@ class PrefillJob:
         start = torch.tensor([replay], device=seq.device)
         continue_windows = self.continue_windows and replay == self.start0
         mask = self.images.piece(replay, self.n_total)[0] if self.images is not None else None
-        h, pre_mix = runner.forward([seq], torch.tensor([ids], device=seq.device), [replay],
+        capture = self._capture(range(c.encoder_layers, c.n_layers))
+        forward = partial(runner.forward, capture=capture)  # hidden states for a speculative drafter
+        h, pre_mix = forward([seq], torch.tensor([ids], device=seq.device), [replay],
                                     range(c.encoder_layers, c.n_layers), self.tail_h[:, -n_replay:],
                                     self.tail_pre[:, -n_replay:], replay_start=None if continue_windows else start,
                                     compress=False, image_mask=mask)
+        self._keep_features(capture)
+        self._trim_features()
         self.done = True
         self.tail_h = self.tail_pre = None
         return runner.logits(h, pre_mix)[0]

@@ -43,6 +43,23 @@ from dsv41.plan import FULL, REINDEX
 
 
 @dataclass
+class Capture:
+    """What a forward hands back besides the streams (speculative verification, `engine/speculative.py`):
+    the hidden states of some layers for a drafter, and the ratio-m compressors' projections of every
+    token (a rollback rebuilds the partial groups of the kept tokens from them)."""
+
+    layers: tuple[int, ...] = ()  # block ids whose hidden state is wanted
+    at: str = "output"  # "output": the streams leaving block i; "input": entering it (after its Engram)
+    projections: bool = False  # keep (kv, score) of every ratio > 1 compressor
+    features: dict[int, Tensor] = field(default_factory=dict)  # layer → (B, T, dim), the mean over streams
+    kv_projections: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # source → 2 × (B, T, D) fp32
+
+    def __post_init__(self) -> None:
+        if self.at not in ("input", "output"):
+            raise ValueError(f"Capture.at must be 'input' or 'output', got {self.at!r}")
+
+
+@dataclass
 class StepRecord:
     """What one cached forward shares across layers (replaces the reference's module global)."""
 
@@ -62,6 +79,7 @@ class StepRecord:
     blocks: Tensor | None = None  # (B, T, kb) candidate block ids of the candidate source, −1 = none
     rotations: dict[bool, tuple[Tensor, Tensor]] = field(default_factory=dict)
     image_mask: Tensor | None = None  # (B, T) image positions of a prefill piece (bias_vl routing, dead for Engram)
+    capture: Capture | None = None  # hidden states / projections to hand back (host-driven only)
 
     def angles(self, attn) -> tuple[Tensor, Tensor]:
         """cos, sin of the tokens' positions for a layer, computed once per forward for each of the two
@@ -85,15 +103,17 @@ class Runner:
     def forward(self, seqs: list[SequenceCache], tokens: Tensor, start: Tensor | list[int], layers: range,
                 h: Tensor | None = None, pre_mix: Tensor | None = None, *, replay_start: Tensor | None = None,
                 compress: bool = True, image_mask: Tensor | None = None,
-                image_embeds: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                image_embeds: Tensor | None = None, capture: Capture | None = None) -> tuple[Tensor, Tensor]:
         """Run `layers` over tokens (B, T) at positions start[b] + t. Starting at layer 0 embeds the
         tokens — the M True positions of `image_mask` (B, T) taking `image_embeds` (M, dim), the vision
         stage's output (`prefill.encode_prompt_images`); otherwise (h, pre_mix) are the streams entering
         layers.start. Image positions route with `bias_vl` and are dead for Engram. Tokens before
-        start[b] must already be in seqs[b].tokens (Engram history)."""
+        start[b] must already be in seqs[b].tokens (Engram history). `capture` collects hidden states and
+        compressor projections on the way (speculative verification)."""
         record = self.host_record(seqs, start, tokens.size(1), replay_start=replay_start, compress=compress,
                                   history=any(self.plans[i].engram for i in layers))
         record.image_mask = image_mask
+        record.capture = capture
         return self._layers(record, tokens, layers, h, pre_mix, image_embeds)
 
     def host_record(self, seqs: list[SequenceCache], start: Tensor | list[int], T: int, *,
@@ -155,17 +175,23 @@ class Runner:
         if any(self.plans[i].engram for i in layers):
             hash_ids = model.hasher(tokens, history=record.history, dead_mask=image_mask)  # (B, T, n_engram, cols)
         entry = None  # (input, mixes) the previous block's last fused pass made for the next block
+        capture = record.capture
+        wanted = set(capture.layers) if capture is not None else set()
         for i in layers:
             block = model.layers[i]
             if block.engram is not None:
                 h = block.engram(h, hash_ids[:, :, model.engram_index[i]], None if image_mask is None else ~image_mask)
                 entry = None
+            if i in wanted and capture.at == "input":
+                capture.features[i] = h.mean(dim=2)  # (B, T, d)
 
             def attention(x: Tensor, i: int = i) -> Tensor:
                 return self.attention(i, x, record)
 
             h, pre_mix, entry = block(h, pre_mix, attention, image_mask=image_mask, entry=entry,
                                       next_fn=model.next_fn(i, layers.stop - 1))
+            if i in wanted and capture.at == "output":
+                capture.features[i] = h.mean(dim=2)  # (B, T, d)
         return h, pre_mix
 
     # ------------------------------------------------------------------ attention with caches
@@ -236,8 +262,10 @@ class Runner:
                 rows.append(s.entry_stores[layer_id].reserve_ids(T))
         else:
             latents, group_starts = [], []
+            projected = []
             for b, s in enumerate(record.seqs):
                 kv, score = comp.project(x[b])  # (T, D) fp32
+                projected.append((kv, score))
                 r = record.start[b] % m  # tokens of an unfinished group already waiting in the slot
                 if r:
                     kv = torch.cat((pool.pending_kv[s.slot, :r], kv))
@@ -252,6 +280,8 @@ class Runner:
                 latents.append(comp.norm(pooled.to(x.dtype)))
                 group_starts.append(record.start[b] - r + m * torch.arange(n, device=x.device))
                 rows.append(s.entry_stores[layer_id].reserve_ids(n))
+            if record.capture is not None and record.capture.projections:  # a speculative rollback rebuilds
+                record.capture.kv_projections[layer_id] = tuple(torch.stack(t) for t in zip(*projected))  # (B, T, D)
             if not latents:
                 return
             latent, starts = torch.cat(latents), torch.cat(group_starts)

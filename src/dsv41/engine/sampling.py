@@ -120,23 +120,8 @@ def sample(logits: Tensor, params_list: list[SamplingParams], generators: list[t
     rows = [i for i, p in enumerate(params_list) if not p.greedy]
     if not rows:
         return tokens
+    sorted_ids, probs, keep = _filtered_sorted(logits[rows], [params_list[i] for i in rows])
     device = logits.device
-    picked = [params_list[i] for i in rows]
-    # fp32 temperatures; one below fp32's range would round to 0 and turn 0 / 0 into NaN
-    temperature = torch.tensor([p.temperature for p in picked], device=device).clamp(min=torch.finfo().tiny)
-    top_k = torch.tensor([min(p.top_k or V, V) for p in picked], device=device)  # clamped in Python: no overflow
-    top_p = torch.tensor([p.top_p for p in picked], device=device)
-
-    sorted_logits, sorted_ids = logits[rows].sort(dim=-1, descending=True, stable=True)  # (S, V), ties: lower id
-    # shift by the max before dividing: a tiny temperature then gives -inf, never inf - inf
-    scaled = (sorted_logits - sorted_logits[:, :1]) / temperature[:, None]
-    rank = torch.arange(V, device=device)
-    keep = rank[None, :] < top_k[:, None]  # (S, V) top-k
-    probs = scaled.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # renormalized over top-k
-    mass_before = probs.cumsum(dim=-1) - probs  # exclusive prefix mass
-    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # nucleus
-    keep[:, 0] = True  # the most likely token always stays (even if top_p rounded to 0)
-    probs = probs * keep
     cdf = probs.cumsum(dim=-1)  # (S, V), flat after the last kept token
 
     u = torch.stack([_uniform(generators[i], device) for i in rows])  # (S,)
@@ -145,6 +130,48 @@ def sample(logits: Tensor, params_list: list[SamplingParams], generators: list[t
     position = torch.minimum(position, keep.sum(dim=-1) - 1)  # rounding guard: stay inside the kept set
     tokens[rows] = sorted_ids.gather(1, position.unsqueeze(-1)).squeeze(-1)
     return tokens
+
+
+def _filtered_sorted(logits: Tensor, params_list: list[SamplingParams]) -> tuple[Tensor, Tensor, Tensor]:
+    """The distribution a sampled row draws from, in descending-logit order: (sorted ids (S, V), probs (S, V)
+    zero outside the kept set and not renormalized after top-p, kept mask (S, V)). fp32 logits (S, V)."""
+    S, V = logits.shape
+    device = logits.device
+    # fp32 temperatures; one below fp32's range would round to 0 and turn 0 / 0 into NaN
+    temperature = torch.tensor([p.temperature for p in params_list], device=device).clamp(min=torch.finfo().tiny)
+    top_k = torch.tensor([min(p.top_k or V, V) for p in params_list], device=device)  # clamped in Python: no overflow
+    top_p = torch.tensor([p.top_p for p in params_list], device=device)
+
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # (S, V), ties: lower id
+    # shift by the max before dividing: a tiny temperature then gives -inf, never inf - inf
+    scaled = (sorted_logits - sorted_logits[:, :1]) / temperature[:, None]
+    rank = torch.arange(V, device=device)
+    keep = rank[None, :] < top_k[:, None]  # (S, V) top-k
+    probs = scaled.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # renormalized over top-k
+    mass_before = probs.cumsum(dim=-1) - probs  # exclusive prefix mass
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # nucleus
+    keep[:, 0] = True  # the most likely token always stays (even if top_p rounded to 0)
+    return sorted_ids, probs * keep, keep
+
+
+def sampling_probs(logits: Tensor, params_list: list[SamplingParams]) -> Tensor:
+    """The exact next-token distribution `sample` draws from, per row, over token ids: (B, V) fp32 summing
+    to 1 (temperature, top-k, top-p applied; a greedy row is one-hot at its argmax). What speculative
+    verification's rejection rule takes as the target p (`engine/speculative.py`)."""
+    if logits.dim() != 2 or len(params_list) != logits.size(0):
+        raise ValueError(f"sampling_probs: logits (B, V) with B params, got {tuple(logits.shape)}, {len(params_list)}")
+    logits = logits.float()
+    out = torch.zeros_like(logits)
+    greedy = [i for i, p in enumerate(params_list) if p.greedy]
+    if greedy:
+        index = torch.tensor(greedy, device=logits.device)
+        out[index, logits[index].argmax(dim=-1)] = 1.0
+    rows = [i for i, p in enumerate(params_list) if not p.greedy]
+    if rows:
+        sorted_ids, probs, _ = _filtered_sorted(logits[rows], [params_list[i] for i in rows])
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        out[torch.tensor(rows, device=logits.device)] = torch.zeros_like(probs).scatter(1, sorted_ids, probs)
+    return out
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:

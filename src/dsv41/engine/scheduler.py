@@ -12,6 +12,10 @@ preempts the most recently admitted running sequence (its cache is swapped to th
 returns to the head of the queue); admission is FIFO without overtaking and only when the
 request's whole prompt fits beside what the running prefills still need.
 
+Speculative decoding (`engine/speculative.py`) verifies up to k + 1 positions per decoding sequence:
+`decode_tokens` = k + 1 then sizes each decode row's page claim and its share of the budget (the
+verification length itself is chosen after the drafter has proposed, within that claim).
+
 No torch here: the engine supplies the capacity checks and carries out admissions and
 preemptions through the `Capacity` interface.
 """
@@ -56,11 +60,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, capacity: Capacity, *, max_batch: int = 64, token_budget: int = 2048):
-        if max_batch < 1 or token_budget < 1:
-            raise ValueError(f"max_batch and token_budget must be >= 1, got {max_batch}, {token_budget}")
+    def __init__(self, capacity: Capacity, *, max_batch: int = 64, token_budget: int = 2048, decode_tokens: int = 1):
+        if max_batch < 1 or token_budget < 1 or decode_tokens < 1:
+            raise ValueError(f"max_batch, token_budget and decode_tokens must be >= 1, got {max_batch}, "
+                             f"{token_budget}, {decode_tokens}")
         self.capacity = capacity
         self.max_batch, self.token_budget = max_batch, token_budget
+        self.decode_tokens = decode_tokens  # positions a decode row may run this step (k + 1 when speculating)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
 
@@ -88,14 +94,14 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.prefilling:  # preempted above, or prefilling
                 continue
-            while not plan.claim(seq, self.capacity.pages_to_grow(seq, 1)):
+            while not plan.claim(seq, self.capacity.pages_to_grow(seq, self.decode_tokens)):
                 victim = next((s for s in reversed(self.running) if s is not seq), None)
                 self._preempt(victim or seq, out, plan)
                 if victim is None:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 out.decode.append(seq)
-        budget -= len(out.decode)
+        budget -= len(out.decode) * self.decode_tokens
         # 2. the next pieces of every sequence still prefilling, oldest first
         for seq in self.running:
             if seq.prefilling and budget > 0:
@@ -117,9 +123,9 @@ class Scheduler:
             if seq.prefilling:
                 committed = plan.commitments([s for s in self.running if s.prefilling])
                 budget -= self._piece(seq, budget, out, plan)
-            elif plan.claim(seq, self.capacity.pages_to_grow(seq, 1)):  # swapped back in mid-decode
+            elif plan.claim(seq, self.capacity.pages_to_grow(seq, self.decode_tokens)):  # swapped back in mid-decode
                 out.decode.append(seq)
-                budget -= 1
+                budget -= self.decode_tokens
         return out
 
     def _piece(self, seq: Sequence, budget: int, out: ScheduledBatch, plan: _Pages) -> int:

@@ -78,6 +78,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; use fewer than the free cores on a shared box)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--speculative", choices=["off", "dspark", "oracle"], default="off",
+                   help="speculative decoding with the checkpoint's DSpark drafter (or the model itself as an "
+                        "oracle, a mechanism test); default off (docs/speculative.md)")
+    p.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                   help="tokens drafted per step (default: dspark_block_size - 1, or 4)")
     return p
 
 
@@ -99,9 +104,10 @@ def free_memory_bytes(device) -> int:
 def build_server(model, tok, *, model_name: str, max_batch: int = 32, max_queue: int = 256,
                  kv_budget_bytes: int | None = None, timeout_s: float | None = 600.0,
                  api_key: str | list[str] | None = None, max_body_bytes: int = 8 * 2**20, prefix_cache=None,
-                 prefill_chunk: int = 2048, **app_options):
+                 prefill_chunk: int = 2048, engine_options: dict | None = None, **app_options):
     """(app, scheduler) for a loaded model: what `dsv41 serve`, the tests and the load benchmark run.
-    `app_options` go to `create_app` (allowed_hosts, cors_origins, body_timeout_s, max_concurrent_tokenize)."""
+    `app_options` go to `create_app` (allowed_hosts, cors_origins, body_timeout_s, max_concurrent_tokenize);
+    `engine_options` to the Engine (the speculative drafter)."""
     from dsv41.engine.block_manager import BlockManager
     from dsv41.engine.engine import Engine
     from dsv41.server.app import create_app
@@ -116,7 +122,7 @@ def build_server(model, tok, *, model_name: str, max_batch: int = 32, max_queue:
         raise ConfigError(f"a KV budget of {kv_budget_bytes / 2**30:.3f} GiB holds {max_tokens} tokens, less than one "
                           f"sequence of the model's context ({config.max_seq_len}); raise --kv-budget-gib")
     engine = Engine(model, prefill_chunk=prefill_chunk, max_batch=max_batch, prefix_cache=prefix_cache,
-                    max_tokens=max_tokens)
+                    max_tokens=max_tokens, **(engine_options or {}))
     metrics = ServerMetrics()
     scheduler = Scheduler(engine, max_queue=max_queue, timeout_s=timeout_s or None, metrics=metrics)
     app = create_app(scheduler, tok, model_name=model_name, max_model_len=model.config.max_seq_len,
@@ -192,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     model, tok = load_model_and_tokenizer(args)
+    from dsv41.engine.cli import build_speculative
+
+    speculative = build_speculative(args, model, args.max_batch)  # ConfigError (exit 2) without a drafter
 
     prefix_cache = None
     if args.prefix_store:
@@ -211,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     app, scheduler = build_server(model, tok, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                                   kv_budget_bytes=budget, timeout_s=args.timeout, api_key=keys or None,
                                   max_body_bytes=args.max_body_bytes, prefix_cache=prefix_cache,
-                                  prefill_chunk=args.prefill_chunk,
+                                  prefill_chunk=args.prefill_chunk, engine_options=speculative,
                                   allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
                                   cors_origins=cors, body_timeout_s=args.body_timeout,
                                   max_concurrent_tokenize=args.max_concurrent_tokenize)

@@ -1,0 +1,197 @@
+"""Speculative decoding vs plain decode on the same engine: tokens/s, GPU time per token, acceptance.
+
+    python benchmarks/speculative.py                                   # H200: models/dsv41-small, oracle drafter
+    python benchmarks/speculative.py --drafter dspark                  # the checkpoint's DSpark drafter
+    python benchmarks/speculative.py --device cpu --preset tiny --batches 1 2 --prompt-len 16 \\
+        --new-tokens 8                                                 # a smoke run without a GPU
+
+For each batch size the same greedy requests (prompts of `--prompt-len` tokens, `--new-tokens` each) run
+on a plain engine (CUDA graphs on a GPU) and on a speculative one (eager verification, the drafter, the
+verification-length scheduler over the step-time curve the engine profiled at start-up). Measured over
+the decode phase (after every prompt's prefill): tokens/s, the seconds spent inside the drafter (so
+"spec excluding drafter" = what a free drafter would give — the oracle drafter is a second copy of the
+model and costs as much as the main one), GPU kernel time per generated token (torch.profiler, over
+`--profile-steps` steps) and the acceptance statistics; the outputs are checked equal (greedy is
+lossless). Writes benchmarks/results/speculative-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CHECKPOINT = Path(__file__).resolve().parents[1] / "models" / "dsv41-small"
+
+
+class TimedDrafter:
+    """A drafter wrapper that adds up the seconds spent in propose / observe (synchronized on CUDA)."""
+
+    def __init__(self, drafter, sync):
+        self.drafter, self.sync, self.seconds = drafter, sync, 0.0
+        self.k = drafter.k
+        self.features_at = getattr(drafter, "features_at", "output")
+
+    def _timed(self, fn, *args):
+        self.sync()
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.sync()
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def features_wanted(self):
+        return self.drafter.features_wanted()
+
+    def start(self, seq_id):
+        self.drafter.start(seq_id)
+
+    def finish(self, seq_id):
+        self.drafter.finish(seq_id)
+
+    def observe(self, seq_id, tokens, features):
+        return self._timed(self.drafter.observe, seq_id, tokens, features)
+
+    def propose(self, seq_ids, last_tokens):
+        return self._timed(self.drafter.propose, seq_ids, last_tokens)
+
+
+def gpu_seconds(engine, steps: int, device: str) -> tuple[float | None, int]:
+    """(kernel seconds, tokens emitted) over `steps` engine steps, from torch.profiler (None on the CPU)."""
+    if not device.startswith("cuda"):
+        return None, 0
+    from torch.profiler import ProfilerActivity, profile
+
+    before = engine.stats.decode_tokens
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            if not engine.has_work():
+                break
+            engine.step()
+        torch.cuda.synchronize()
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return kernel_us / 1e6, engine.stats.decode_tokens - before
+
+
+def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, profile_steps: int,
+               drafter: TimedDrafter | None) -> dict:
+    from dsv41.engine.sampling import SamplingParams
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=new_tokens)) for p in prompts]
+    while any(s.prefilling or s.next_token is None for s in seqs if not s.finished) and engine.has_work():
+        engine.step()  # every prefill done: the decode phase starts
+    gpu_s, gpu_tokens = gpu_seconds(engine, profile_steps, device)
+    sync()
+    drafter_s0 = drafter.seconds if drafter is not None else 0.0
+    tokens0, t0 = sum(len(s.output) for s in seqs), time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    sync()
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(s.output) for s in seqs) - tokens0
+    drafter_s = (drafter.seconds - drafter_s0) if drafter is not None else 0.0
+    return {"outputs": [s.output for s in seqs], "decode_tokens": tokens, "decode_s": elapsed,
+            "tokens_per_s": tokens / elapsed if elapsed else None, "drafter_s": drafter_s,
+            "tokens_per_s_excluding_drafter": tokens / (elapsed - drafter_s) if elapsed > drafter_s else None,
+            "gpu_s_per_token": gpu_s / gpu_tokens if gpu_s is not None and gpu_tokens else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", type=Path, default=None, help=f"model directory (default {CHECKPOINT.name})")
+    ap.add_argument("--preset", default=None, help="a random-init preset instead of a checkpoint (smoke runs)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--drafter", choices=["oracle", "dspark", "noisy"], default="oracle",
+                    help="oracle: a copy of the model; dspark: the checkpoint's drafter; noisy: a corrupted oracle")
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--profile-steps", type=int, default=8, help="steps under torch.profiler (GPU time)")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("speculative: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    from dsv41 import load_config
+    from dsv41.engine.engine import Engine
+    from dsv41.engine.speculative import NoisyDrafter, SpeculativeError, build_drafter
+    from dsv41.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    if args.preset:
+        model = Transformer(load_config(args.preset)).init_weights(seed=0).to(device=args.device, dtype=dtype).eval()
+        source = f"preset {args.preset} (random init)"
+    else:
+        from dsv41.checkpoint import load_checkpoint
+
+        path = args.checkpoint or CHECKPOINT
+        model = load_checkpoint(path, device=args.device).eval()
+        source = str(path)
+    c = model.config
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    g = torch.Generator().manual_seed(0)
+    max_seq_len = args.prompt_len + args.new_tokens + args.draft_tokens + 8
+    report = {"benchmark": "speculative", "date": dt.date.today().isoformat(), "model": source,
+              "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+              "drafter": args.drafter, "draft_tokens": args.draft_tokens, "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens, "runs": []}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"speculative-{report['date']}.json"
+    for B in args.batches:
+        prompts = torch.randint(3, c.vocab_size, (B, args.prompt_len), generator=g).tolist()
+        plain = Engine(model, max_batch=B, max_seq_len=max_seq_len)
+        base = decode_run(plain, prompts, args.new_tokens, args.device, args.profile_steps, None)
+        del plain
+        try:
+            kind = "oracle" if args.drafter == "noisy" else args.drafter
+            inner = build_drafter(kind, model, checkpoint=args.checkpoint, k=args.draft_tokens, max_sequences=B,
+                                  max_seq_len=max_seq_len)
+        except SpeculativeError as e:
+            print(f"speculative: {e}", file=sys.stderr)
+            return 2
+        if args.drafter == "noisy":
+            inner = NoisyDrafter(c.vocab_size, args.draft_tokens, base=inner, noise=0.3)
+        drafter = TimedDrafter(inner, sync)
+        t0 = time.perf_counter()
+        spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter)
+        profile_s = time.perf_counter() - t0
+        spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter)
+        st = spec_engine.stats.speculative
+        same = sum(a == b for a, b in zip(base.pop("outputs"), spec.pop("outputs")))
+        ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+        run = {"batch": B, "plain": base, "speculative": spec, "lossless_requests": f"{same}/{B}",
+               "speedup": ratio(spec["tokens_per_s"], base["tokens_per_s"]),
+               "speedup_excluding_drafter": ratio(spec["tokens_per_s_excluding_drafter"], base["tokens_per_s"]),
+               "gpu_time_ratio_plain_over_spec": ratio(base["gpu_s_per_token"], spec["gpu_s_per_token"]),
+               "mean_tokens_per_verification": st.mean_tokens_per_verification, "accepted_histogram": st.histogram,
+               "length_histogram": st.length_histogram, "step_time_curve": spec_engine.step_time.to_dict(),
+               "profile_s": profile_s}
+        report["runs"].append(run)
+        path.write_text(json.dumps(report, indent=1))  # after every batch: a run cut short keeps what it measured
+        del spec_engine, drafter, inner
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    print(f"wrote {path}")
+    print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'x':>6} {'x (no drafter)':>15} {'GPU x':>6} "
+          f"{'tok/verif':>9} lossless")
+    fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else "-"  # noqa: E731
+    for r in report["runs"]:
+        print(f"{r['batch']:>5} {fmt(r['plain']['tokens_per_s']):>12} {fmt(r['speculative']['tokens_per_s']):>11} "
+              f"{fmt(r['speedup']):>6} {fmt(r['speedup_excluding_drafter']):>15} "
+              f"{fmt(r['gpu_time_ratio_plain_over_spec']):>6} {r['mean_tokens_per_verification']:>9.2f} "
+              f"{r['lossless_requests']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,545 @@
+"""Speculative decoding: a drafter proposes, the main model verifies k + 1 positions in one forward.
+
+The loop (SPEC §5 DSpark; issue 19), one engine step for a batch of decoding sequences:
+  1. the `Drafter` proposes k tokens per sequence after its pending token, with a confidence per
+     position (its estimate of the conditional acceptance probability);
+  2. `choose_lengths` picks each sequence's verification length L ≤ k to maximise expected tokens
+     per second: expected accepted drafts = Σ_l Π_{j≤l} c_j (prefix survival), step time = the
+     engine's `StepTimeCurve` (profiled once at start-up) of the tokens the forward computes;
+  3. the main model runs [pending, d_1 … d_L] through every layer and every cache in one forward
+     (`Runner.forward` over T = max L + 1 positions; shorter rows are padded with their own later
+     drafts, which are never accepted) — window rings, partial compressor groups, packed FP4
+     entries and index keys, Engram history all advance;
+  4. `verify` keeps the accepted prefix: greedy = exact match with the main model's argmax;
+     sampled = the standard rejection rule (accept x with min(1, p(x)/q(x)), else draw from
+     norm(max(0, p − q)); all accepted → a bonus token from p), p being exactly the distribution
+     plain sampling draws from (`sampling.sampling_probs`: temperature, top-k, top-p), so the
+     output distribution equals plain sampling;
+  5. `VerifyRollback` undoes everything the rejected positions wrote: the small per-slot state is
+     snapshotted before the forward and restored (the ring slots the block overwrote, their
+     positions, the partial groups — rebuilt from the kept tokens' projections), and the
+     append-only entries are truncated (`SequenceCache.truncate`: write-then-truncate). After it,
+     every byte a later step can read equals a run that never saw the rejected tokens
+     (tests/engine/test_speculative.py byte-compares them).
+
+Drafters: `OracleDrafter` (a copy of the main model decoding greedily through its own caches — the
+main model's own continuation, so greedy verification accepts everything) and `NoisyDrafter`
+(random tokens, or another drafter's proposals corrupted at random positions, with confidences and
+optionally a proposal distribution) cover full, partial and no acceptance without training. The
+trained DSpark drafter (`model/dspark.py`, its own helper) plugs in through the same protocol.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from dsv41.engine.block_manager import BlockManager
+from dsv41.engine.cache import SequenceCache
+from dsv41.engine.prefill import PrefillJob
+from dsv41.engine.runner import Capture, Runner
+from dsv41.engine.sampling import SamplingParams, sampling_probs
+from dsv41.model.mhc import hc_pre
+from dsv41.model.transformer import Transformer
+
+
+class SpeculativeError(ValueError):
+    """A speculative set-up that cannot run (no drafter checkpoint, a drafter that breaks the protocol)."""
+
+
+# ---------------------------------------------------------------------------------------------- protocol
+@dataclass
+class Proposal:
+    tokens: Tensor  # (B, k) long: drafted tokens after each sequence's pending token
+    confidence: Tensor  # (B, k) float in [0, 1]: estimated acceptance of position l given l − 1 accepted
+    probs: Tensor | None = None  # (B, k, V) the distribution each draft was drawn from; None = deterministic
+
+
+class Drafter(Protocol):
+    """What the engine needs of a drafter (agreed with the DSpark helper).
+
+    `observe` receives the committed tokens (n,) and, per wanted layer, the main model's hidden state at
+    those positions (m, dim) — the mean over mHC streams of the block's output (or input, when the
+    drafter has `features_at = "input"`). m = n after a verification; after a prefill m ≤ n covers the
+    last m tokens (encoder-only prefill runs the decoder over the last n_win prompt tokens only)."""
+
+    k: int  # tokens proposed per step (dspark_block_size − 1)
+
+    def features_wanted(self) -> list[int]: ...
+
+    def start(self, seq_id: int) -> None: ...
+
+    def observe(self, seq_id: int, tokens: Tensor, features: dict[int, Tensor]) -> None: ...
+
+    def propose(self, seq_ids: list[int], last_tokens: Tensor) -> Proposal: ...
+
+    def finish(self, seq_id: int) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------- step time
+@dataclass
+class StepTimeCurve:
+    """Seconds of one verification forward as a function of the tokens it computes (rows × positions):
+    piecewise linear through the profiled points, flat below the first (and everywhere with one point),
+    extrapolated from the last two above the last. Profiled once at engine start-up (`profile_step_time`),
+    kept on the engine."""
+
+    points: list[tuple[int, float]]  # (tokens, seconds), increasing tokens
+
+    def __post_init__(self) -> None:
+        merged: dict[int, list[float]] = {}
+        for n, t in self.points:
+            merged.setdefault(int(n), []).append(float(t))
+        self.points = sorted((n, sum(ts) / len(ts)) for n, ts in merged.items())
+        if not self.points or any(n < 1 or not t > 0 for n, t in self.points):
+            raise ValueError(f"StepTimeCurve needs points (tokens >= 1, seconds > 0), got {self.points}")
+
+    def __call__(self, n_tokens: int) -> float:
+        xs = [n for n, _ in self.points]
+        if n_tokens <= xs[0] or len(xs) == 1:  # one point: flat
+            return self.points[0][1]
+        i = min(max(bisect.bisect_left(xs, n_tokens), 1), len(xs) - 1)
+        (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
+        return max(y0 + (y1 - y0) * (n_tokens - x0) / (x1 - x0), 1e-9)
+
+    def to_dict(self) -> dict:
+        return {"tokens": [n for n, _ in self.points], "seconds": [t for _, t in self.points]}
+
+
+def expected_accepted(confidence: Sequence[float], length: int) -> float:
+    """Expected accepted drafts of a verification of `length`: Σ_{l ≤ length} Π_{j ≤ l} c_j."""
+    total, survive = 0.0, 1.0
+    for c in confidence[:length]:
+        survive *= min(max(float(c), 0.0), 1.0)
+        total += survive
+    return total
+
+
+def choose_lengths(confidences: Sequence[Sequence[float]], caps: Sequence[int],
+                   step_time: Callable[[int], float], *, padded: bool = True) -> list[int]:
+    """Verification length per sequence maximising expected tokens per second of the step:
+    (Σ_b 1 + E_b(L_b)) / step_time(tokens computed). Each row emits its accepted drafts plus one token.
+
+    padded=True (the engine's runner): the forward computes B × (max L + 1) tokens, so a row verifies
+    min(T, cap) and only the batch's T is chosen. padded=False (a ragged forward): Σ (L_b + 1) tokens;
+    the increments Π_{j≤l} c_j are non-increasing within a row, so for each total the best lengths take
+    the largest increments (prefixes of every row) — scanned over every total. Ties go to less work."""
+    B = len(caps)
+    if B == 0:
+        return []
+    caps = [max(0, int(c)) for c in caps]
+    gains = [[expected_accepted(conf, length) for length in range(cap + 1)] for conf, cap in zip(confidences, caps)]
+    if padded:
+        best, best_T = -1.0, 0
+        for T in range(max(caps) + 1):
+            tokens = B + sum(g[min(T, len(g) - 1)] for g in gains)
+            rate = tokens / step_time(B * (T + 1))
+            if rate > best * (1 + 1e-12):
+                best, best_T = rate, T
+        return [min(best_T, cap) for cap in caps]
+    increments = sorted(((g[lv] - g[lv - 1], lv, b) for b, g in enumerate(gains) for lv in range(1, len(g))),
+                        key=lambda x: (-x[0], x[1], x[2]))
+    best, best_n, tokens = B / step_time(B), 0, float(B)
+    for n, (inc, _, _) in enumerate(increments, start=1):
+        tokens += inc
+        rate = tokens / step_time(B + n)
+        if rate > best * (1 + 1e-12):
+            best, best_n = rate, n
+    lengths = [0] * B
+    for _, _, b in increments[:best_n]:
+        lengths[b] += 1
+    return lengths
+
+
+# ---------------------------------------------------------------------------------------------- rollback
+class VerifyRollback:
+    """Snapshot of the per-slot state a verification block of T positions overwrites, for B rows.
+
+    Taken before the forward: the T ring slots of every layer (FP8 rows and positions) and the partial
+    groups of every ratio-m source. `restore(keep)` then makes each row look as if only its first
+    keep[b] block tokens had run: ring slots of the dropped positions get their old rows back, the
+    partial group is rebuilt for the new token count (older members from the snapshot, kept members
+    from the forward's projections), and the cache is truncated (entries, index keys, tokens, pages)."""
+
+    def __init__(self, pools: BlockManager, caches: list[SequenceCache], starts: list[int], T: int):
+        W = pools.window
+        if T > W:
+            raise ValueError(f"a verification block of {T} positions is longer than the window ({W})")
+        self.pools, self.caches, self.T = pools, caches, T
+        device = pools.device
+        self.slots = torch.tensor([c.slot for c in caches], device=device)
+        self.starts = torch.tensor(starts, device=device)
+        positions = self.starts.unsqueeze(1) + torch.arange(T, device=device)  # (B, T)
+        self.flat = (self.slots.unsqueeze(1) * W + positions % W).view(-1)  # (B·T,) ring rows the block writes
+        L = pools.ring_rows.size(0)
+        self.ring = pools.ring_rows.view(L, -1, pools.ring_bytes)[:, self.flat].clone()  # (L, B·T, bytes)
+        self.ring_pos = pools.ring_positions.view(L, -1)[:, self.flat].clone()  # (L, B·T)
+        self.pending = {s: (p.pending_kv[self.slots].clone(), p.pending_score[self.slots].clone())
+                        for s, p in pools.sources.items() if p.pending_kv is not None}  # (B, m − 1, D)
+
+    def restore(self, keep: list[int], projections: dict[int, tuple[Tensor, Tensor]]) -> None:
+        """Keep the first keep[b] ∈ [0, T] block tokens of row b. `projections`: source → (kv, score)
+        (B, T, D) of the block (`Capture.kv_projections`), needed when a kept token joins a partial group."""
+        pools, T, device = self.pools, self.T, self.pools.device
+        L = pools.ring_rows.size(0)
+        keep_t = torch.tensor(keep, device=device)
+        dropped = (torch.arange(T, device=device).unsqueeze(0) >= keep_t.unsqueeze(1)).view(-1)  # (B·T,)
+        rows = self.flat[dropped]
+        pools.ring_rows.view(L, -1, pools.ring_bytes)[:, rows] = self.ring[:, dropped]
+        pools.ring_positions.view(L, -1)[:, rows] = self.ring_pos[:, dropped]
+        end = self.starts + keep_t  # (B,) token count after the rollback
+        B = len(self.caches)
+        for s, (snap_kv, snap_score) in self.pending.items():
+            p = pools.sources[s]
+            m = p.ratio
+            group_start = end - end % m  # first position of the unfinished group
+            proj = projections.get(s)
+            for i in range(m - 1):  # member i sits at position group_start + i
+                pos = group_start + i
+                old = pos < self.starts  # ran before the block: its projection is in the snapshot
+                kv, score = snap_kv[:, i], snap_score[:, i]
+                if proj is not None:
+                    j = (pos - self.starts).clamp(0, T - 1)
+                    b = torch.arange(B, device=device)
+                    kv = torch.where(old.unsqueeze(1), kv, proj[0][b, j])
+                    score = torch.where(old.unsqueeze(1), score, proj[1][b, j])
+                elif not bool(old[i < end % m].all()):  # a live member that ran in the block
+                    raise ValueError(f"restore: source {s} needs the block's projections to rebuild its partial group")
+                p.pending_kv[self.slots, i] = kv
+                p.pending_score[self.slots, i] = score
+        for cache, start, n in zip(self.caches, self.starts.tolist(), keep):
+            cache.truncate(start + n)
+
+
+# ---------------------------------------------------------------------------------------------- verification
+@dataclass
+class Verdict:
+    accepted: int  # drafts accepted (0..L)
+    tokens: list[int]  # the accepted drafts, then the correction / bonus token (accepted + 1 tokens)
+
+
+def _draw(probs: Tensor, u: Tensor) -> Tensor:
+    """One token per row from probability rows (R, V) by inverting their CDFs at uniforms u (R,), never
+    past a row's last nonzero entry (rounding guard)."""
+    cdf = probs.double().cumsum(dim=-1)  # (R, V)
+    index = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)  # (R,)
+    V = probs.size(-1)
+    last = V - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # (R,) last token with mass
+    return torch.minimum(index, last)
+
+
+def rejection_residual(p: Tensor, q: Tensor | None, x: int) -> Tensor:
+    """What a rejected draft x is replaced by: norm(max(0, p − q)) (q None: the draft was deterministic,
+    q = δ_x). When p ≤ q everywhere a rejection has probability 0; p is returned then."""
+    residual = p.clone() if q is None else (p - q.to(p)).clamp(min=0)
+    if q is None:
+        residual[x] = 0.0
+    total = residual.sum()
+    return residual / total if float(total) > 0 else p / p.sum()
+
+
+def verify(logits: Tensor, drafts: list[list[int]], lengths: list[int], params: list[SamplingParams],
+           generators: list[torch.Generator | None], draft_probs: Tensor | None = None) -> list[Verdict]:
+    """Acceptance for each row: logits (B, T, V) of the verified positions (position l predicts the token
+    after draft l), drafts[b][:lengths[b]] the drafted tokens, draft_probs (B, k, V) their distributions
+    (None: deterministic drafts, q = one-hot). Greedy rows: exact match with the argmax (no random draw).
+    Sampled rows: the rejection rule against p = `sampling_probs` (what plain sampling draws from): draft l
+    is accepted iff u_l · q(x) < p(x), i.e. with probability min(1, p(x)/q(x)); the first rejected one is
+    replaced by a draw from `rejection_residual`, or after L acceptances a bonus token is drawn from p_L.
+    A sampled row takes L + 1 uniforms from its generator per verification (the last one for that draw)."""
+    B, T, V = logits.shape
+    out: list[Verdict | None] = [None] * B
+    greedy_ids = logits.argmax(dim=-1).tolist()  # (B, T): ties to the lowest id, as `sample`
+    sampled = []
+    for b, (prm, L) in enumerate(zip(params, lengths)):
+        d = drafts[b][:L]
+        if not prm.greedy:
+            sampled.append(b)
+            continue
+        a = 0
+        while a < L and d[a] == greedy_ids[b][a]:
+            a += 1
+        out[b] = Verdict(a, d[:a] + [greedy_ids[b][a]])
+    if not sampled:
+        return out  # type: ignore[return-value]
+    device = logits.device
+    rows = torch.tensor(sampled, device=device)
+    S = len(sampled)
+    p = sampling_probs(logits[rows].reshape(S * T, V), [params[b] for b in sampled for _ in range(T)])
+    p = p.view(S, T, V)  # (S, T, V)
+    x = torch.tensor([(drafts[b] + [0] * T)[:T - 1] for b in sampled], device=device).view(S, T - 1)  # (S, T − 1)
+    px = p[:, :T - 1].gather(2, x.unsqueeze(-1)).squeeze(-1)  # (S, T − 1)
+    q = None
+    if draft_probs is not None:
+        q = draft_probs[rows, :T - 1].to(p)  # (S, T − 1, V)
+        qx = q.gather(2, x.unsqueeze(-1)).squeeze(-1)
+    else:
+        qx = torch.ones_like(px)
+    u = torch.stack([_uniforms(generators[b], lengths[b] + 1, T, device) for b in sampled])  # (S, T)
+    ok = (u[:, :T - 1] * qx.double() < px.double()).tolist()  # (S, T − 1)
+    u_l = u.tolist()
+    accepted, final_rows, final_u = [], [], []
+    for i, b in enumerate(sampled):
+        L = lengths[b]
+        a = 0
+        while a < L and ok[i][a]:
+            a += 1
+        accepted.append(a)
+        if a < L:  # rejected: norm(max(0, p − q)) at position a
+            r = rejection_residual(p[i, a], None if q is None else q[i, a], int(x[i, a]))
+        else:
+            r = p[i, L]  # every draft accepted: the bonus token from p
+        final_rows.append(r)
+        final_u.append(u_l[i][L])
+    finals = _draw(torch.stack(final_rows), torch.tensor(final_u, device=device)).tolist()
+    for i, b in enumerate(sampled):
+        a = accepted[i]
+        out[b] = Verdict(a, drafts[b][:a] + [finals[i]])
+    return out  # type: ignore[return-value]
+
+
+def _uniforms(generator: torch.Generator | None, n: int, width: int, device: torch.device) -> Tensor:
+    """n uniforms from a row's generator (the global RNG when None), zero-padded to `width` (float64)."""
+    dev = generator.device if generator is not None else torch.device("cpu")
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=dev).to(device)
+    return torch.cat((u, u.new_zeros(width - n)))
+
+
+# ---------------------------------------------------------------------------------------------- drafters
+class OracleDrafter:
+    """The main model's own greedy continuation: a copy of the model decodes k tokens through its own
+    pools (same runner, same encoder-only prefill), then rolls its caches back. Greedy verification
+    accepts everything (up to float ties); it costs a second model, so it tests the mechanism, not speed."""
+
+    features_at = "output"
+
+    def __init__(self, model: Transformer, k: int = 4, *, max_sequences: int = 64, max_seq_len: int | None = None,
+                 clone: bool = True, confidence: float = 1.0):
+        if k < 1:
+            raise ValueError(f"OracleDrafter: k must be >= 1, got {k}")
+        self.model = copy.deepcopy(model) if clone else model
+        self.k, self.confidence = k, confidence
+        c = self.model.config
+        device = next(self.model.parameters()).device
+        n = int(max_seq_len or c.max_seq_len)
+        self.pools = BlockManager(c, device, max_slots=max_sequences, max_tokens=n * max_sequences, max_seq_len=n)
+        self.runner = Runner(self.model)
+        self.caches: dict[int, SequenceCache] = {}
+
+    def features_wanted(self) -> list[int]:
+        return []
+
+    def start(self, seq_id: int) -> None:
+        self.caches[seq_id] = SequenceCache(self.model.config, pools=self.pools)
+
+    @torch.no_grad()
+    def observe(self, seq_id: int, tokens: Tensor, features: dict[int, Tensor]) -> None:
+        cache = self.caches[seq_id]
+        ids = [int(t) for t in tokens.tolist()]
+        if cache.n_tokens == 0:  # the prompt: the engine's own prefill path
+            job = PrefillJob(self.runner, cache, ids, chunk=max(len(ids), 1))
+            while job.step() is None:
+                pass
+            return
+        self.runner.forward([cache], torch.tensor([ids], device=self.pools.device), [cache.n_tokens],
+                            range(self.model.config.n_layers))
+        cache.tokens.extend(ids)
+
+    @torch.no_grad()
+    def propose(self, seq_ids: list[int], last_tokens: Tensor) -> Proposal:
+        caches = [self.caches[i] for i in seq_ids]
+        starts = [c.n_tokens for c in caches]
+        rollback = VerifyRollback(self.pools, caches, starts, self.k)
+        token = last_tokens.to(self.pools.device).view(-1, 1)  # (B, 1)
+        drafted = []
+        for _ in range(self.k):
+            h, pre_mix = self.runner.forward(caches, token, [c.n_tokens for c in caches],
+                                             range(self.model.config.n_layers))
+            for c, t in zip(caches, token[:, 0].tolist()):
+                c.tokens.append(t)
+            token = self.runner.logits(h, pre_mix).argmax(dim=-1, keepdim=True)  # (B, 1)
+            drafted.append(token)
+        rollback.restore([0] * len(caches), {})
+        tokens = torch.cat(drafted, dim=1)  # (B, k)
+        return Proposal(tokens, torch.full(tokens.shape, self.confidence, device=tokens.device))
+
+    def finish(self, seq_id: int) -> None:
+        cache = self.caches.pop(seq_id, None)
+        if cache is not None and not cache.released:
+            cache.release()
+
+
+class NoisyDrafter:
+    """Random drafts, or another drafter's drafts replaced at random positions with probability `noise`.
+
+    confidence = 1 − noise where the base is kept (the base's confidence times it), `floor` elsewhere —
+    or, with `distribution=True`, every draft is *sampled* from a random proposal distribution q
+    (a softmax of random logits, with the base's token boosted by `boost`) that is returned as
+    `probs`, so the sampled rejection rule sees a genuine q. Reproducible from `seed`."""
+
+    def __init__(self, vocab_size: int, k: int = 4, *, base: Drafter | None = None, noise: float = 1.0,
+                 seed: int = 0, distribution: bool = False, boost: float = 3.0, floor: float = 0.05):
+        if base is not None and base.k != k:
+            raise ValueError(f"NoisyDrafter: k = {k} but the base drafter proposes {base.k}")
+        self.vocab_size, self.k, self.base, self.noise = vocab_size, k, base, noise
+        self.distribution, self.boost, self.floor = distribution, boost, floor
+        self.generator = torch.Generator().manual_seed(seed)
+        self.features_at = getattr(base, "features_at", "output")
+
+    def features_wanted(self) -> list[int]:
+        return self.base.features_wanted() if self.base is not None else []
+
+    def start(self, seq_id: int) -> None:
+        if self.base is not None:
+            self.base.start(seq_id)
+
+    def observe(self, seq_id: int, tokens: Tensor, features: dict[int, Tensor]) -> None:
+        if self.base is not None:
+            self.base.observe(seq_id, tokens, features)
+
+    def finish(self, seq_id: int) -> None:
+        if self.base is not None:
+            self.base.finish(seq_id)
+
+    def propose(self, seq_ids: list[int], last_tokens: Tensor) -> Proposal:
+        B, k, V, g = len(seq_ids), self.k, self.vocab_size, self.generator
+        device = last_tokens.device
+        if self.base is not None:
+            base = self.base.propose(seq_ids, last_tokens)
+            tokens, conf = base.tokens.cpu().clone(), base.confidence.float().cpu().clone()
+        else:
+            tokens, conf = torch.randint(0, V, (B, k), generator=g), torch.ones(B, k)
+        replace = torch.rand(B, k, generator=g) < self.noise
+        if not self.distribution:
+            tokens = torch.where(replace, torch.randint(0, V, (B, k), generator=g), tokens)
+            conf = torch.where(replace, torch.full_like(conf, self.floor), conf * (1 - self.noise))
+            return Proposal(tokens.to(device), conf.to(device))
+        logits = torch.randn(B, k, V, generator=g)  # (B, k, V)
+        logits.scatter_add_(2, tokens.unsqueeze(-1), torch.where(replace, 0.0, self.boost).unsqueeze(-1))
+        probs = logits.softmax(dim=-1)
+        drawn = torch.multinomial(probs.view(-1, V), 1, generator=g).view(B, k)
+        conf = probs.gather(2, drawn.unsqueeze(-1)).squeeze(-1).clamp(self.floor, 1.0)
+        return Proposal(drawn.to(device), conf.to(device), probs.to(device))
+
+
+# ---------------------------------------------------------------------------------------------- start-up
+@dataclass
+class SpeculativeStats:
+    """Per-engine speculation counters (`Engine.stats.speculative`): a histogram of accepted drafts per
+    verification (index a = a drafts accepted), verified and accepted drafts, emitted tokens."""
+
+    k: int = 0
+    verifications: int = 0  # sequence-steps verified
+    forwards: int = 0  # verification forwards
+    drafted: int = 0  # drafts verified (Σ L)
+    accepted: int = 0  # drafts accepted (Σ a)
+    emitted: int = 0  # tokens emitted by verifications (Σ a + 1, truncated at a finish)
+    histogram: list[int] = field(default_factory=list)  # histogram[a] = verifications with a accepted
+    length_histogram: list[int] = field(default_factory=list)  # histogram of the chosen verification lengths
+
+    def record(self, length: int, accepted: int, emitted: int) -> None:
+        for hist, v in ((self.histogram, accepted), (self.length_histogram, length)):
+            while len(hist) <= max(v, self.k):
+                hist.append(0)
+            hist[v] += 1
+        self.verifications += 1
+        self.drafted += length
+        self.accepted += accepted
+        self.emitted += emitted
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted drafts per verification."""
+        return self.accepted / self.verifications if self.verifications else 0.0
+
+    @property
+    def mean_tokens_per_verification(self) -> float:
+        """Mean acceptance length as the DSpark paper counts it: accepted drafts + the one token every
+        verification emits."""
+        return (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
+
+    def summary(self) -> str:
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        return (f"speculative: {self.verifications} verifications, {self.mean_tokens_per_verification:.2f} "
+                f"tokens/verification, {self.accepted}/{self.drafted} drafts accepted ({rate:.0%}), "
+                f"accepted histogram {self.histogram}")
+
+
+@torch.no_grad()
+def profile_step_time(runner: Runner, pools: BlockManager, *, k: int, max_batch: int, context: int = 16,
+                      repeats: int = 2, batch_sizes: list[int] | None = None) -> StepTimeCurve:
+    """Time verification forwards of B rows × T positions (T ∈ {1, k + 1}, B = 1, 2, 4 … max_batch) on
+    throw-away sequences of `context` tokens, each rolled back after timing; the median of `repeats`
+    per shape. Needs B free slots (run it at start-up)."""
+    c = runner.config
+    device = pools.device
+    B_max = min(max_batch, pools.free_slots)
+    if batch_sizes is None:
+        batch_sizes, b = [], 1
+        while b < B_max:
+            batch_sizes.append(b)
+            b *= 2
+        batch_sizes.append(B_max)
+    g = torch.Generator().manual_seed(0)
+    caches = [SequenceCache(c, pools=pools) for _ in range(B_max)]
+    try:
+        prompt = torch.randint(3, c.vocab_size, (B_max, context), generator=g).to(device)
+        runner.forward(caches, prompt, [0] * B_max, range(c.n_layers))
+        for cache, row in zip(caches, prompt.tolist()):
+            cache.tokens.extend(row)
+        points = []
+        T_values = sorted({1, min(k + 1, c.window_size)})
+        for B in batch_sizes:
+            for T in T_values:
+                rows = caches[:B]
+                block = torch.randint(3, c.vocab_size, (B, T), generator=g).to(device)
+                times = []
+                for _ in range(repeats + 1):  # the first run warms up
+                    rollback = VerifyRollback(pools, rows, [context] * B, T)
+                    capture = Capture(projections=True)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                    h, pre_mix = runner.forward(rows, block, [context] * B, range(c.n_layers), capture=capture)
+                    runner.model.head_logits(hc_pre(h, pre_mix)).argmax(-1).tolist()  # the sync a step makes
+                    times.append(time.perf_counter() - t0)
+                    for cache, row in zip(rows, block.tolist()):
+                        cache.tokens.extend(row)
+                    rollback.restore([0] * B, capture.kv_projections)
+                times = sorted(times[1:])
+                points.append((B * T, times[len(times) // 2]))
+        return StepTimeCurve(points)
+    finally:
+        for cache in caches:
+            cache.release()
+
+
+def build_drafter(kind: str, model: Transformer, *, checkpoint=None, k: int = 4, max_sequences: int = 64,
+                  max_seq_len: int | None = None) -> Drafter:
+    """The drafter for `--speculative KIND`: "oracle" (a copy of the model; tests the mechanism) or
+    "dspark" (the trained DSpark drafter of the checkpoint; SpeculativeError when there is none)."""
+    if kind == "oracle":
+        return OracleDrafter(model, k, max_sequences=max_sequences, max_seq_len=max_seq_len)
+    if kind != "dspark":
+        raise SpeculativeError(f"unknown drafter {kind!r} (choose 'dspark' or 'oracle')")
+    c = model.config
+    where = f"checkpoint '{checkpoint}'" if checkpoint is not None else "this model (no checkpoint)"
+    if not c.dspark_block_size or not c.n_mtp_layers:
+        raise SpeculativeError(f"--speculative dspark: {where} has no DSpark drafter (its config has "
+                               f"dspark_block_size = {c.dspark_block_size}, n_mtp_layers = {c.n_mtp_layers}); "
+                               "train one with `dsv41 train-dspark` or use --speculative oracle")
+    try:
+        from dsv41.model import dspark  # the drafter module (issue 19, part 1)
+    except ImportError as err:
+        raise SpeculativeError(f"--speculative dspark: this build has no DSpark drafter module ({err})") from err
+    loader = getattr(dspark, "load_drafter", None)
+    if loader is None:
+        raise SpeculativeError("--speculative dspark: dsv41.model.dspark has no load_drafter(model, checkpoint)")
+    return loader(model, checkpoint)

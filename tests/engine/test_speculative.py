@@ -1,0 +1,341 @@
+"""Speculative decoding in the engine (`tiny`, CPU): rollback leaves the bytes of a run that never saw the
+rejected tokens; greedy speculation = plain greedy on 100 prompts; sampled speculation draws every token
+from plain sampling's conditional distribution; full / no acceptance; prefix cache; drafter features."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tests.conftest import engine_test_model
+
+from dsv41.engine.block_manager import BlockManager
+from dsv41.engine.cache import SequenceCache
+from dsv41.engine.engine import Engine
+from dsv41.engine.prefill import prefill
+from dsv41.engine.prefix import PrefixCache
+from dsv41.engine.prefix_store import InProcessSWAPool, PersistentStore
+from dsv41.engine.runner import Capture, DecodeIO, Runner
+from dsv41.engine.sampling import SamplingParams, sampling_probs
+from dsv41.engine.speculative import NoisyDrafter, OracleDrafter, Proposal, StepTimeCurve, VerifyRollback
+
+FLAT = StepTimeCurve([(1, 1.0)])  # memory-bound: the scheduler verifies every draft it may
+
+
+class ScriptedDrafter:
+    """Proposes the continuation a plain greedy run produced (the main model's own greedy output, recorded),
+    padded with a fixed token past its end. Wrapped in NoisyDrafter it is a corrupted oracle that costs
+    no model."""
+
+    def __init__(self, k: int, continuations: dict[tuple[int, ...], list[int]]):
+        self.k, self.continuations = k, continuations
+        self.history: dict[int, list[int]] = {}
+        self.script: dict[int, list[int]] = {}
+
+    def features_wanted(self) -> list[int]:
+        return []
+
+    def start(self, seq_id: int) -> None:
+        self.history[seq_id] = []
+
+    def observe(self, seq_id: int, tokens, features) -> None:
+        if not self.history[seq_id]:
+            self.script[seq_id] = list(tokens.tolist()) + self.continuations[tuple(tokens.tolist())]
+        self.history[seq_id] += tokens.tolist()
+
+    def propose(self, seq_ids, last_tokens) -> Proposal:
+        rows = []
+        for i in seq_ids:
+            n = len(self.history[i]) + 1  # the pending token sits at position n − 1
+            rows.append((self.script[i][n:n + self.k] + [7] * self.k)[:self.k])
+        tokens = torch.tensor(rows)
+        return Proposal(tokens, torch.full(tokens.shape, 0.9))
+
+    def finish(self, seq_id: int) -> None:
+        self.history.pop(seq_id)
+
+
+def cache_bytes(pools: BlockManager, cache: SequenceCache) -> dict[str, torch.Tensor]:
+    """Everything of one sequence a later step can read: its ring slots (rows and positions) in every
+    layer, its packed entries and index keys, the live part of its partial groups, its token ids, its pages."""
+    out = {"ring_rows": pools.ring_rows[:, cache.slot].clone(), "tokens": torch.tensor(cache.tokens),
+           "ring_positions": pools.ring_positions[:, cache.slot].clone()}
+    for s, store in cache.entry_stores.items():
+        out[f"{s}.kv"] = store.kv.read().clone()
+        out[f"{s}.index"] = store.index_k.read().clone()
+        out[f"{s}.pages"] = torch.tensor(len(cache.pages[s]))
+    for s, (kv, score) in cache.pending.items():
+        out[f"{s}.pending_kv"], out[f"{s}.pending_score"] = kv.clone(), score.clone()
+    return out
+
+
+@pytest.mark.parametrize("prompt_len", [37, 38])  # the ratio-2 sources' partial group is open / closed at the start
+def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(prompt_len):
+    """Rows keep 0..5 of a 5-token verification block. (1) Twin rows, verified in the same batched forward
+    with other tokens after the kept prefix, end byte-identical — every cache byte, the fp32 partial groups
+    included: the rejected tokens leave no trace. (2) A run that never saw them (plain decode steps of the
+    kept tokens) holds the same bytes in every quantized cache (FP8 rings, FP4 entries and index keys),
+    positions, token ids and pages; its fp32 partial-group projections differ only by matmul rounding
+    (1-row vs T-row products), and one more step gives the same logits."""
+    torch.manual_seed(prompt_len)
+    model = engine_test_model(prompt_len)
+    c = model.config
+    runner = Runner(model)
+    keeps = [0, 1, 2, 3, 4, 5]  # block tokens each row keeps (5 = everything)
+    n, T = len(keeps), 5
+    pools = BlockManager(c, "cpu", max_slots=3 * n, max_tokens=3 * n * 128, max_seq_len=128, page_rows=4)
+    io = DecodeIO(c, pools, n)
+    g = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(3, c.vocab_size, (prompt_len,), generator=g).tolist()
+    block = torch.randint(3, c.vocab_size, (n, T), generator=g)  # rows differ: different drafts
+    twin = torch.randint(3, c.vocab_size, (n, T), generator=g)
+    for b, keep in enumerate(keeps):
+        twin[b, :keep] = block[b, :keep]  # the same kept prefix, other rejected tokens
+    first = SequenceCache(c, pools=pools)
+    prefill(runner, first, prompt)  # W < prompt_len: the ring has wrapped
+    state = first.swap_out()  # bit-exact copies of one prefill for every row
+
+    def copy() -> SequenceCache:
+        cache = SequenceCache(c, pools=pools)
+        cache.release()
+        cache.swap_in(state)
+        cache.tokens = list(prompt)
+        return cache
+
+    spec, twins, ref = ([copy() for _ in keeps] for _ in range(3))
+    # one batched verification of T positions per row, then each row keeps its own prefix
+    rows = spec + twins
+    starts = [s.n_tokens for s in rows]
+    rollback = VerifyRollback(pools, rows, starts, T)
+    capture = Capture(projections=True)
+    tokens = torch.cat((block, twin))
+    runner.forward(rows, tokens, starts, range(c.n_layers), capture=capture)
+    for cache, row in zip(rows, tokens.tolist()):
+        cache.tokens.extend(row)
+    rollback.restore(keeps + keeps, capture.kv_projections)
+    # the reference never sees the rejected tokens: plain decode steps (the static step) of the kept ones
+    for b, keep in enumerate(keeps):
+        for t in block[b, :keep].tolist():
+            io.fill_batch([ref[b]], [t])
+            io.send()
+            runner.decode(io, 1, io.max_entries(1))
+            ref[b].tokens.append(t)
+    for b, keep in enumerate(keeps):
+        got, other, want = cache_bytes(pools, spec[b]), cache_bytes(pools, twins[b]), cache_bytes(pools, ref[b])
+        assert got.keys() == want.keys() == other.keys(), (b, got.keys() ^ want.keys())
+        for name in want:
+            n_diff = (got[name] != other[name]).sum().item()
+            assert torch.equal(got[name], other[name]), f"row keeping {keep}: {name} differs from its twin in {n_diff}"
+            if ".pending_" in name:
+                err = ((got[name] - want[name]).abs().max() / want[name].abs().max()).item()
+                assert err < 1e-6, f"row keeping {keep}: {name} rel err {err:.2e} vs plain decode"
+            else:
+                assert torch.equal(got[name], want[name]), \
+                    f"row keeping {keep}: {name} differs in {(got[name] != want[name]).sum().item()} elements"
+    # all continue alike: one more plain step on every row
+    nxt = torch.randint(3, c.vocab_size, (n,), generator=g).tolist()
+    logits = []
+    for caches in (spec, twins, ref):
+        io.fill_batch(caches, nxt)
+        io.send()
+        logits.append(runner.decode(io, n, io.max_entries(n)).clone())
+    assert torch.equal(logits[0], logits[1])
+    err = ((logits[0] - logits[2]).abs().max() / logits[2].abs().max()).item()
+    assert err < 1e-5, f"next-step logits rel err {err:.2e}"
+
+
+def _prompts(model, n: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    W = model.config.window_size
+    lengths = torch.randint(1, W + 13, (n,), generator=g).tolist()  # mixed, some past the window
+    prompts = [torch.randint(3, model.config.vocab_size, (m,), generator=g).tolist() for m in lengths]
+    return prompts, torch.randint(1, 9, (n,), generator=g).tolist()
+
+
+def _run(engine: Engine, prompts, max_tokens, stops=None) -> list[tuple[list[int], str]]:
+    stops = stops or [[] for _ in prompts]
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=m, stop_token_ids=s))
+            for p, m, s in zip(prompts, max_tokens, stops)]
+    while engine.has_work():
+        engine.step()
+    return [(s.output, s.finish_reason) for s in seqs]
+
+
+def test_greedy_with_the_noisy_drafter_equals_plain_decode_on_100_prompts():
+    """100 prompts of 1–44 tokens (W = 32), 1–8 new tokens each, a third of them with a stop id their
+    plain output reaches, batched 50 at a time; drafts = the plain continuation corrupted at 35 % of the
+    positions (partial acceptance, mixed verification lengths and finishes inside a block)."""
+    model = engine_test_model(41)
+    prompts, max_tokens = _prompts(model, 100, 41)
+    plain = _run(Engine(model, max_batch=50, max_seq_len=128), prompts, max_tokens)
+    # a stop id inside the plain output for every third prompt (plain decoding with it stops there)
+    stops = [[out[len(out) // 2]] if i % 3 == 0 and len(out) > 1 else [] for i, (out, _) in enumerate(plain)]
+    expected = []
+    for (out, reason), stop in zip(plain, stops):
+        cut = out.index(stop[0]) if stop else len(out)
+        expected.append((out[:cut], "stop" if stop else reason))
+    drafter = NoisyDrafter(model.config.vocab_size, 4, base=ScriptedDrafter(4, {tuple(p): o for p, (o, _) in
+                                                                                  zip(prompts, plain)}), noise=0.35)
+    engine = Engine(model, max_batch=50, max_seq_len=128, drafter=drafter, step_time=FLAT)
+    got = _run(engine, prompts, max_tokens, stops)
+    wrong = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+    assert not wrong, f"{len(wrong)} prompts differ, first {wrong[0]}: {got[wrong[0]]} vs {expected[wrong[0]]}"
+    st = engine.stats.speculative
+    hist = st.histogram
+    assert hist[0] > 0 and sum(hist[1:-1]) > 0 and hist[-1] > 0, hist  # none, some and all accepted
+    assert len(set(i for i, n in enumerate(st.length_histogram) if n)) >= 3, st.length_histogram
+    assert sum(len(o) for o, _ in got) + sum(r == "stop" for _, r in got) == st.emitted + len(prompts)
+
+
+def test_the_oracle_drafts_are_all_accepted_and_random_drafts_none():
+    model = engine_test_model(43)
+    prompts, _ = _prompts(model, 3, 43)
+    plain = _run(Engine(model, max_batch=3, max_seq_len=128), prompts, [9] * 3)
+    oracle = Engine(model, max_batch=3, max_seq_len=128, drafter=OracleDrafter(model, 4, max_sequences=3,
+                                                                                 max_seq_len=128), step_time=FLAT)
+    assert _run(oracle, prompts, [9] * 3) == plain
+    st = oracle.stats.speculative
+    assert st.accepted == st.drafted > 0, st.summary()
+    random = Engine(model, max_batch=3, max_seq_len=128, drafter=NoisyDrafter(model.config.vocab_size, 4),
+                    step_time=FLAT)
+    assert _run(random, prompts, [9] * 3) == plain
+    st = random.stats.speculative
+    assert st.accepted == 0 and st.drafted > 0 and st.histogram[0] == st.verifications, st.summary()
+
+
+def test_sampled_speculation_draws_every_token_from_plain_samplings_conditional():
+    """Each token of a sampled speculative run must be distributed as p(· | the tokens before it), the
+    distribution plain sampling draws from (temperature 1.2, top-k 8, from the full forward of the
+    model: exact prefill makes the engine's cached forward the same function). Randomized probability
+    integral transform: u = F(x − 1) + v·p(x), v ~ U(0, 1), is i.i.d. uniform iff every x ~ p — tested by
+    χ² over 10 bins on 32 sequences × 40 tokens, with a random proposal distribution q ≠ p. And the
+    probability of the emitted token, Σ_t p_t(x_t), against its exact mean Σ_t Σ_y p_t(y)² and variance
+    (a martingale: |z| < 4), and how often tokens with p < 0.1 are emitted against their exact share — both
+    sensitive to low-probability tokens emitted too often (a biased acceptance)."""
+    V = 12
+    model = engine_test_model(45, vocab_size=V)
+    with torch.no_grad():
+        model.head.weight.mul_(6.0)  # peaked, varied distributions (a random tiny head is near uniform)
+    params = [SamplingParams(temperature=1.2, top_k=8, max_tokens=40, seed=100 + i) for i in range(32)]
+    drafter = NoisyDrafter(V, 4, distribution=True, noise=1.0, seed=3)
+    engine = Engine(model, max_batch=32, max_seq_len=128, drafter=drafter, step_time=FLAT)
+    g = torch.Generator().manual_seed(45)
+    prompts = [torch.randint(3, V, (int(n),), generator=g).tolist() for n in torch.randint(1, 6, (32,), generator=g)]
+    seqs = [engine.add_request(p, prm, exact_prefill=True) for p, prm in zip(prompts, params)]
+    while engine.has_work():
+        engine.step()
+    st = engine.stats.speculative
+    assert 0 < st.accepted < st.drafted, st.summary()  # drafts tested, some accepted, some replaced
+    u_all, z_num, z_var, tail_num, tail_var = [], 0.0, 0.0, 0.0, 0.0
+    for seq, prm in zip(seqs, params):
+        full = torch.tensor([seq.prompt + seq.output])
+        with torch.no_grad():
+            logits = model(full)[0, len(seq.prompt) - 1:-1].double()  # (n_out, V): p of each emitted token
+        p = sampling_probs(logits.float(), [prm] * logits.size(0)).double()
+        x = torch.tensor(seq.output)
+        px = p.gather(1, x.unsqueeze(1)).squeeze(1)
+        assert bool((px > 0).all()), f"a token outside top-k / with probability 0 was emitted: {px.min()}"
+        below = (p.cumsum(1) - p).gather(1, x.unsqueeze(1)).squeeze(1)
+        v = torch.rand(len(x), generator=g, dtype=torch.float64)
+        u_all.append(below + v * px)
+        mean, second = (p ** 2).sum(1), (p ** 3).sum(1)  # E p(x), E p(x)² under x ~ p
+        z_num += float((px - mean).sum())
+        z_var += float((second - mean ** 2).sum())
+        tail = (p * (p < 0.1)).sum(1)  # P(p(x) < 0.1) under x ~ p: the rare tokens' share
+        tail_num += float(((px < 0.1).double() - tail).sum())
+        tail_var += float((tail * (1 - tail)).sum())
+    u = torch.cat(u_all).numpy()
+    counts = np.bincount(np.minimum((u * 10).astype(int), 9), minlength=10)
+    expected = len(u) / 10
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 27.88, f"chi2 {chi2:.1f} (df 9) over {len(u)} tokens; bins {counts}"  # p = 0.001
+    z, z_tail = z_num / z_var ** 0.5, tail_num / tail_var ** 0.5
+    print(f"chi2 {chi2:.1f}, z {z:.2f}, z_tail {z_tail:.2f} over {len(u)} tokens")
+    assert abs(z) < 4, f"the emitted tokens' probability is off by z = {z:.2f} over {len(u)} tokens"
+    assert abs(z_tail) < 4, f"tokens with p < 0.1 emitted off their share by z = {z_tail:.2f} over {len(u)} tokens"
+
+
+def test_a_prefix_save_after_speculation_stores_only_accepted_tokens(tmp_path):
+    model = engine_test_model(47)
+    W = model.config.window_size
+    g = torch.Generator().manual_seed(47)
+    first = torch.randint(3, model.config.vocab_size, (2 * W + 5,), generator=g).tolist()
+    follow = torch.randint(3, model.config.vocab_size, (W + 3,), generator=g).tolist()
+    cold = Engine(model, max_batch=1, max_seq_len=256)
+    plain1 = cold.generate([first], max_tokens=9)[0]
+    turn2 = first + plain1 + follow
+    plain2 = cold.generate([turn2], max_tokens=8)[0]
+    cache = PrefixCache(model.config, PersistentStore(tmp_path), InProcessSWAPool())
+    saved = []
+    save = cache.save
+    cache.save = lambda seq, ends, **kw: (saved.append((list(seq.tokens), list(ends))), save(seq, ends, **kw))[1]
+    script = ScriptedDrafter(4, {tuple(first): plain1, tuple(turn2): plain2})
+    drafter = NoisyDrafter(model.config.vocab_size, 4, base=script, noise=0.3, seed=5)
+    engine = Engine(model, max_batch=1, max_seq_len=256, prefix_cache=cache, drafter=drafter, step_time=FLAT)
+    out1 = _run(engine, [first], [9])[0][0]
+    assert out1 == plain1 and 0 < engine.stats.speculative.accepted < engine.stats.speculative.drafted
+    assert saved[-1] == (first + out1[:-1], [len(first) + len(out1) - 1])  # what plain decoding held at the end
+    warm = engine.add_request(turn2, SamplingParams(max_tokens=8))
+    while not warm.finished:
+        engine.step()
+    assert warm.cached_tokens >= len(first) + len(out1) - 1 - cache.lcm  # resumed from the speculative run's save
+    assert warm.output == plain2
+
+
+def test_the_drafter_sees_committed_tokens_and_the_main_models_hidden_states():
+    model = engine_test_model(49)
+    c = model.config
+    layers = [c.n_layers - 2, c.n_layers - 1]
+    seen: list[tuple[list[int], dict]] = []
+
+    class Recording(NoisyDrafter):
+        def features_wanted(self):
+            return layers
+
+        def observe(self, seq_id, tokens, features):
+            seen.append((tokens.tolist(), {i: f.clone() for i, f in features.items()}))
+
+    prompt = torch.randint(3, c.vocab_size, (11,), generator=torch.Generator().manual_seed(49)).tolist()
+    drafter = Recording(c.vocab_size, 3, base=None, noise=0.5)
+    engine = Engine(model, max_batch=1, max_seq_len=128, drafter=drafter, step_time=FLAT)
+    out = _run(engine, [prompt], [9])[0][0]
+    committed = [t for tokens, _ in seen for t in tokens]
+    # every verification but the finishing one reports its kept tokens
+    assert committed == (prompt + out)[:len(committed)] and len(committed) > len(prompt)
+    # reference: the block outputs of the full forward, mean over the streams (prompt < W: prefill is exact)
+    hooks, ref = [], {}
+    for i in layers:
+        hooks.append(model.layers[i].register_forward_hook(
+            lambda mod, args, output, i=i: ref.__setitem__(i, output[0].mean(dim=2)[0])))
+    with torch.no_grad():
+        model(torch.tensor([committed]))
+    for h in hooks:
+        h.remove()
+    pos = 0
+    for tokens, feats in seen:
+        for i in layers:
+            assert feats[i].shape == (len(tokens), c.dim), (i, feats[i].shape)
+            want = ref[i][pos:pos + len(tokens)]
+            err = ((feats[i] - want).abs().max() / want.abs().max()).item()
+            assert err < 1e-4, f"layer {i} at {pos}: rel err {err:.2e}"
+        pos += len(tokens)
+
+
+def test_a_swapped_out_state_survives_its_slot_being_reused():
+    """swap_out on the CPU copies (`.cpu()` alone returns views: the slot's next owner overwrote the state)."""
+    model = engine_test_model(51)
+    c = model.config
+    runner = Runner(model)
+    pools = BlockManager(c, "cpu", max_slots=1, max_tokens=128, max_seq_len=128)
+    prompt = torch.randint(3, c.vocab_size, (37,), generator=torch.Generator().manual_seed(51)).tolist()
+    a = SequenceCache(c, pools=pools)
+    prefill(runner, a, prompt)
+    before = cache_bytes(pools, a)
+    state = a.swap_out()
+    b = SequenceCache(c, pools=pools)  # takes the same slot and clears it
+    prefill(runner, b, prompt[::-1])
+    b.release()
+    a.swap_in(state)
+    after = cache_bytes(pools, a)
+    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k],
+                                                                                                          after[k])]
