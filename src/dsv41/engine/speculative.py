@@ -529,17 +529,25 @@ def build_drafter(kind: str, model: Transformer, *, checkpoint=None, k: int = 4,
         return OracleDrafter(model, k, max_sequences=max_sequences, max_seq_len=max_seq_len)
     if kind != "dspark":
         raise SpeculativeError(f"unknown drafter {kind!r} (choose 'dspark' or 'oracle')")
-    c = model.config
+    from pathlib import Path
+
+    from dsv41.checkpoint import CheckpointError, load_drafter
+    from dsv41.checkpoint.load import read_config
+    from dsv41.config import ConfigError
+    from dsv41.engine.dspark_drafter import DSparkDrafter
+
+    # the drafter `dsv41 train-dspark` saves next to a model (MODEL/dspark/), or a checkpoint that holds both
     where = f"checkpoint '{checkpoint}'" if checkpoint is not None else "this model (no checkpoint)"
-    if not c.dspark_block_size or not c.n_mtp_layers:
-        raise SpeculativeError(f"--speculative dspark: {where} has no DSpark drafter (its config has "
-                               f"dspark_block_size = {c.dspark_block_size}, n_mtp_layers = {c.n_mtp_layers}); "
-                               "train one with `dsv41 train-dspark` or use --speculative oracle")
-    try:
-        from dsv41.model import dspark  # the drafter module (issue 19, part 1)
-    except ImportError as err:
-        raise SpeculativeError(f"--speculative dspark: this build has no DSpark drafter module ({err})") from err
-    loader = getattr(dspark, "load_drafter", None)
-    if loader is None:
-        raise SpeculativeError("--speculative dspark: dsv41.model.dspark has no load_drafter(model, checkpoint)")
-    return loader(model, checkpoint)
+    for directory in ([Path(checkpoint) / "dspark", Path(checkpoint)] if checkpoint is not None else []):
+        if not (directory / "config.json").is_file():
+            continue
+        try:
+            if not read_config(directory).dspark_block_size:
+                continue
+            drafter = load_drafter(directory, model)
+        except (CheckpointError, ConfigError) as err:
+            raise SpeculativeError(f"--speculative dspark: {err}") from err
+        return DSparkDrafter(drafter)
+    raise SpeculativeError(f"--speculative dspark: {where} has no DSpark drafter (no dspark/ folder with a "
+                           "drafter config beside the weights); train one with `dsv41 train-dspark` or use "
+                           "--speculative oracle")
