@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,13 @@ EXAMPLES = """examples:
 """
 
 
-class _TrainParser(argparse.ArgumentParser):
-    """Leaves unrecognized `--key=value` arguments to TrainConfig instead of failing on them, and
-    lists the TrainConfig fields in --help (built on demand: importing the trainer imports torch)."""
+class OverridesParser(argparse.ArgumentParser):
+    """Leaves unrecognized `--key=value` arguments to a config dataclass (`namespace.overrides`) instead of
+    failing on them, and lists that dataclass's fields in --help, built on demand (importing a trainer
+    imports torch). Made from a subparser by `as_overrides_parser`."""
+
+    field_help: Callable[[], str]
+    examples: str = ""
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         namespace, extras = super().parse_known_args(args, namespace)
@@ -35,23 +40,36 @@ class _TrainParser(argparse.ArgumentParser):
         return namespace, []
 
     def format_help(self) -> str:
-        self.epilog = _field_help() + "\n\n" + EXAMPLES
+        self.epilog = self.field_help() + "\n\n" + self.examples
         return super().format_help()
 
 
-def _field_help() -> str:
-    """Every TrainConfig field with its default and the comment it carries in the source."""
+def as_overrides_parser(p: argparse.ArgumentParser, field_help: Callable[[], str], examples: str
+                        ) -> OverridesParser:
+    """`p` (built by `add_parser` as the parent's parser class) turned into an `OverridesParser`."""
+    p.__class__ = OverridesParser
+    p.field_help, p.examples = field_help, examples  # type: ignore[attr-defined]
+    return p  # type: ignore[return-value]
+
+
+def dataclass_field_help(cls: type, title: str) -> str:
+    """`title`, then every field of dataclass `cls` with its default and the comment it carries in the source."""
     import inspect
     import re
 
-    from dsv41.train.trainer import TrainConfig
-
-    comments = dict(re.findall(r"^\s+(\w+): [^=]+=.*?#\s*(.*)$", inspect.getsource(TrainConfig), re.M))
-    lines = ["options (TrainConfig fields, --key=value; --model.KEY=JSON sets a ModelConfig field):"]
-    for f in dataclasses.fields(TrainConfig):
+    comments = dict(re.findall(r"^\s+(\w+): [^=]+=.*?#\s*(.*)$", inspect.getsource(cls), re.M))
+    lines = [title]
+    for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         lines.append(f"  {f'--{f.name}={default}':<30} {comments.get(f.name, '')}")
     return "\n".join(lines)
+
+
+def _field_help() -> str:
+    from dsv41.train.trainer import TrainConfig
+
+    return dataclass_field_help(TrainConfig, "options (TrainConfig fields, --key=value; --model.KEY=JSON sets a "
+                                             "ModelConfig field):")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -62,7 +80,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "newest); rerunning with the same --out resumes exactly.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False)
-    p.__class__ = _TrainParser  # add_parser builds the parent's parser class; keep --key=value extras
+    as_overrides_parser(p, _field_help, EXAMPLES)  # keep --key=value extras for TrainConfig
     p.add_argument("--resume", metavar="DIR", help="checkpoint (or run folder / latest) to resume from")
     p.add_argument("--plot", metavar="RUN", type=Path, help="only draw RUN/metrics.jsonl into RUN/curves.png")
     return p

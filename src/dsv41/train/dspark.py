@@ -42,6 +42,7 @@ from dsv41.model.dspark import DSpark, capture_features, stack_features
 from dsv41.model.moe import moe_modules, update_moe_biases
 from dsv41.model.state import ForwardContext
 from dsv41.model.transformer import Transformer
+from dsv41.train.cli import as_overrides_parser, dataclass_field_help
 
 
 # ---------------------------------------------------------------------- sampling anchors and targets
@@ -576,25 +577,7 @@ def config_from_args(argv: list[str]) -> DSparkTrainConfig:
 
 
 def _field_help() -> str:
-    import inspect
-    import re
-
-    comments = dict(re.findall(r"^\s+(\w+): [^=]+=.*?#\s*(.*)$", inspect.getsource(DSparkTrainConfig), re.M))
-    lines = ["options (--key=value or --key value):"]
-    for f in fields(DSparkTrainConfig):
-        lines.append(f"  {f'--{f.name}={f.default}':<30} {comments.get(f.name, '')}")
-    return "\n".join(lines)
-
-
-class _Parser(argparse.ArgumentParser):
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
-        namespace, extras = super().parse_known_args(args, namespace)
-        namespace.overrides = list(extras)
-        return namespace, []
-
-    def format_help(self) -> str:
-        self.epilog = _field_help() + "\n\n" + EXAMPLES
-        return super().format_help()
+    return dataclass_field_help(DSparkTrainConfig, "options (--key=value or --key value):")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -604,8 +587,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "0.1·CE + 0.9·‖p−q‖₁ + 1.0·confidence BCE, position weights exp(−k/γ). Writes the drafter\n"
                     "(official mtp.* names), OUT/metrics.jsonl and OUT/acceptance.png (OUT = MODEL/dspark).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.__class__ = _Parser
-    return p
+    return as_overrides_parser(p, _field_help, EXAMPLES)
 
 
 def run(args: argparse.Namespace) -> int:
