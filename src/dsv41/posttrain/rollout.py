@@ -168,8 +168,24 @@ class Sample:
         self.routing = None
 
 
+@dataclass
+class _RoutedForward:
+    """The expert ids of one recorded forward, already on the host: every MoE layer it ran, every row."""
+
+    layers: tuple[int, ...]  # MoE layer indices, in the order of `ids`
+    positions: Tensor  # (B, T) long, CPU
+    ids: Tensor  # (L', B, T, k) long, CPU (pinned when copied from a GPU)
+    ready: object | None  # a CUDA event after the device→host copies (None on the CPU)
+    remaining: int  # rows not yet taken
+
+
 class RoutingRecorder:
-    """Records the expert ids each token of each sequence got in each MoE layer of an engine's model."""
+    """Records the expert ids each token of each sequence got in each MoE layer of an engine's model.
+
+    Cost per forward is O(MoE layers), not O(rows × layers): the gate hook keeps one (B, T, k) clone per
+    layer; when the forward ends they are stacked and copied to pinned host memory without a sync (one copy
+    per forward), and `take` assembles one sequence's table from host tensors (it waits on the copy's event,
+    long finished by then)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -177,16 +193,20 @@ class RoutingRecorder:
         self.topk = self.moes[0].topk if self.moes else 0
         self._current = None  # the StepRecord of the forward in progress
         self._decode_caches: list = []
-        self._rows: dict[int, dict[int, list[tuple[Tensor, Tensor]]]] = {}  # id(cache) → layer → records
+        self._pending: list[tuple[int, Tensor]] = []  # (layer, (B, T, k) ids) of the forward in progress
+        self._forwards: dict[int, _RoutedForward] = {}
+        self._next = 0
+        self._index: dict[int, list[tuple[int, int]]] = {}  # id(cache) → [(forward key, row)], in order
         runner, io = engine.runner, engine.io
         self._orig_layers, self._orig_fill = runner._layers, io.fill_batch
 
         def layers(record, *args, **kwargs):
-            self._current = record
+            self._current, self._pending = record, []
             try:
                 return self._orig_layers(record, *args, **kwargs)
             finally:
                 self._current = None
+                self._close(record)
 
         def fill_batch(caches, tokens):
             self._decode_caches = list(caches)
@@ -199,30 +219,54 @@ class RoutingRecorder:
     def _hook(self, layer: int) -> Callable[[Tensor], Tensor]:
         def record(indices: Tensor) -> Tensor:
             rec = self._current
-            if rec is None:
-                return indices
-            B, T = rec.positions.shape
-            caches = rec.seqs if rec.seqs is not None else self._decode_caches[:B]
-            ids = indices.view(B, T, -1)  # (B, T, k)
-            for b, cache in enumerate(caches):
-                self._rows.setdefault(id(cache), {}).setdefault(layer, []).append(
-                    (rec.positions[b].detach().clone(), ids[b].detach().clone()))
+            if rec is not None:
+                B, T = rec.positions.shape
+                self._pending.append((layer, indices.detach().view(B, T, -1).clone()))  # (B, T, k)
             return indices
         return record
+
+    def _close(self, record) -> None:
+        """The forward ended: its ids to the host in one copy, indexed by sequence."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        B = record.positions.shape[0]
+        caches = record.seqs if record.seqs is not None else self._decode_caches[:B]
+        ids = torch.stack([t for _, t in pending])  # (L', B, T, k)
+        positions = record.positions.detach()
+        event = None
+        if ids.is_cuda:
+            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host_pos = torch.empty(positions.shape, dtype=positions.dtype, pin_memory=True)
+            host_ids.copy_(ids, non_blocking=True)
+            host_pos.copy_(positions, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            ids, positions = host_ids, host_pos
+        else:
+            positions = positions.clone()
+        key, self._next = self._next, self._next + 1
+        self._forwards[key] = _RoutedForward(tuple(layer for layer, _ in pending), positions, ids, event, len(caches))
+        for b, cache in enumerate(caches):
+            self._index.setdefault(id(cache), []).append((key, b))
 
     def take(self, cache, n_positions: int) -> dict[int, Tensor]:
         """The table of one sequence, removed from the recorder: layer → (n_positions, k) long on the CPU,
         −1 where the layer never ran the position (e.g. decoder layers before an encoder-only replay)."""
-        rows = self._rows.pop(id(cache), {})
-        out = {}
-        for layer in range(len(self.moes)):
-            table = torch.full((n_positions, self.topk), -1, dtype=torch.long)
-            for pos, ids in rows.get(layer, []):
-                pos, ids = pos.cpu(), ids.cpu()
-                keep = pos < n_positions
-                table[pos[keep]] = ids[keep]
-            out[layer] = table
-        return out
+        tables = {layer: torch.full((n_positions, self.topk), -1, dtype=torch.long) for layer in range(len(self.moes))}
+        for key, b in self._index.pop(id(cache), []):
+            f = self._forwards[key]
+            if f.ready is not None:
+                f.ready.synchronize()
+                f.ready = None
+            pos = f.positions[b]  # (T,)
+            keep = pos < n_positions
+            for li, layer in enumerate(f.layers):
+                tables[layer][pos[keep]] = f.ids[li, b][keep]
+            f.remaining -= 1
+            if f.remaining == 0:
+                del self._forwards[key]
+        return tables
 
     def close(self) -> None:
         self.engine.runner._layers, self.engine.io.fill_batch = self._orig_layers, self._orig_fill
