@@ -1,7 +1,8 @@
 """Speculative decoding vs plain decode on the same engine: tokens/s, GPU time per token, acceptance.
 
     python benchmarks/speculative.py                                   # H200: models/dsv41-small, oracle drafter
-    python benchmarks/speculative.py --drafter dspark                  # the checkpoint's DSpark drafter
+    python benchmarks/speculative.py --drafter dspark --checkpoint models/dsv41-small --text data/sample
+                                                                       # the checkpoint's DSpark drafter
     python benchmarks/speculative.py --device cpu --preset tiny --batches 1 2 --prompt-len 16 \\
         --new-tokens 8                                                 # a smoke run without a GPU
 
@@ -103,6 +104,22 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
             "gpu_s_per_token": gpu_s / gpu_tokens if gpu_s is not None and gpu_tokens else None}
 
 
+def text_prompts(data: Path, length: int, n: int) -> list[list[int]]:
+    """n prompts of `length` tokens: windows spaced along the corpus's validation documents (cycled when short)."""
+    from dsv41.train.data import load_corpus
+    from dsv41.train.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+
+    val = load_corpus(data, load_tokenizer(DEFAULT_TOKENIZER), Path.home() / ".cache" / "dsv41" / "tokens",
+                      split="val")
+    windows = []
+    for i in range(len(val)):
+        doc = val.doc(i).tolist()
+        windows += [doc[s: s + length] for s in range(0, len(doc) - length + 1, length)]
+    if not windows:
+        raise SystemExit(f"speculative: no validation document of {data} has {length} tokens")
+    return [windows[i % len(windows)] for i in range(n)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=None, help=f"model directory (default {CHECKPOINT.name})")
@@ -110,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--drafter", choices=["oracle", "dspark", "noisy"], default="oracle",
                     help="oracle: a copy of the model; dspark: the checkpoint's drafter; noisy: a corrupted oracle")
-    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--draft-tokens", type=int, default=None,
+                    help="draft tokens per verification (default: the DSpark block size, else 4)")
+    ap.add_argument("--text", type=Path, default=None,
+                    help="prompts = windows of the validation documents of this corpus folder (e.g. data/sample) "
+                         "instead of random token ids (a trained drafter needs real text)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -139,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     c = model.config
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     g = torch.Generator().manual_seed(0)
-    max_seq_len = args.prompt_len + args.new_tokens + args.draft_tokens + 8
     report = {"benchmark": "speculative", "date": dt.date.today().isoformat(), "model": source,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "drafter": args.drafter, "draft_tokens": args.draft_tokens, "prompt_len": args.prompt_len,
@@ -147,8 +167,20 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"speculative-{report['date']}.json"
+    if args.draft_tokens is None:
+        args.draft_tokens = c.dspark_block_size or 4
+        if args.drafter == "dspark":
+            from dsv41.checkpoint.load import read_config
+
+            d = (args.checkpoint or CHECKPOINT) / "dspark"
+            args.draft_tokens = read_config(d).dspark_block_size if (d / "config.json").is_file() else 4
+    report["draft_tokens"] = args.draft_tokens
+    max_seq_len = args.prompt_len + args.new_tokens + args.draft_tokens + 8
+    text = text_prompts(args.text, args.prompt_len, max(args.batches)) if args.text else None
+    report["prompts"] = f"validation windows of {args.text}" if text else "random token ids"
     for B in args.batches:
-        prompts = torch.randint(3, c.vocab_size, (B, args.prompt_len), generator=g).tolist()
+        prompts = (text[:B] if text else
+                   torch.randint(3, c.vocab_size, (B, args.prompt_len), generator=g).tolist())
         plain = Engine(model, max_batch=B, max_seq_len=max_seq_len)
         base = decode_run(plain, prompts, args.new_tokens, args.device, args.profile_steps, None)
         del plain
