@@ -12,7 +12,8 @@
 #
 # Stages read the previous stage's checkpoint from --run (ignored by git, kept between calls on a warm device
 # machine): run them back to back on one machine. `report` copies eval.json, metrics and plots to $OUT when set.
-# Step counts: SFT_STEPS, RL_STEPS, T_STEPS (teacher), OPD_STEPS in the environment override the defaults.
+# Step counts: SFT_STEPS, RL_STEPS, T_STEPS (teacher), OPD_STEPS in the environment override the defaults;
+# SFT_LR (3e-4) and RL_LR (3e-5, RL and OPD) the learning rates (1e-4 / 1e-5 left the 2026-12-02 run under-trained).
 # Options after the stage: --device DEV (default cuda), --preset NAME (random-init student: smoke runs),
 # --run DIR (default runs/post).
 set -euo pipefail
@@ -41,7 +42,7 @@ if [[ -n $PRESET ]]; then
 else
   SRC=(--checkpoint models/dsv41-small); COMMON=(--device "$DEVICE" --eval-problems 64 --max-tokens 96 --digits 2,4)
   SFT_STEPS=${SFT_STEPS:-800}; RL_STEPS=${RL_STEPS:-40}; T_STEPS=${T_STEPS:-1500}; OPD_STEPS=${OPD_STEPS:-30}
-  LOOP=(--prompts-per-step 8 --max-in-flight 128)
+  LOOP=(--prompts-per-step 8 --max-in-flight 96)  # ~1.5 batches in flight: more goes stale (2026-12-02 run)
   TEACHER_BASE=small
 fi
 
@@ -58,14 +59,14 @@ PY
 }
 
 case $STAGE in
-  sft) dsv41 sft "${SRC[@]}" "${COMMON[@]}" --steps $SFT_STEPS --batch-size 64 --lr 1e-4 --out "$RUN/sft" ;;
-  rl) dsv41 rl --checkpoint "$RUN/sft" "${COMMON[@]}" "${LOOP[@]}" --steps $RL_STEPS --lr 1e-5 --out "$RUN/rl" ;;
+  sft) dsv41 sft "${SRC[@]}" "${COMMON[@]}" --steps $SFT_STEPS --batch-size 64 --lr ${SFT_LR:-3e-4} --out "$RUN/sft" ;;
+  rl) dsv41 rl --checkpoint "$RUN/sft" "${COMMON[@]}" "${LOOP[@]}" --steps $RL_STEPS --lr ${RL_LR:-3e-5} --out "$RUN/rl" ;;
   teacher)
     teacher_config
     dsv41 sft --config "$RUN/teacher_config.json" "${COMMON[@]}" --steps $T_STEPS --batch-size 64 --lr 3e-4 \
       --out "$RUN/teacher" ;;
   opd) dsv41 opd --checkpoint "$RUN/sft" --teacher "$RUN/teacher" "${COMMON[@]}" "${LOOP[@]}" --steps $OPD_STEPS \
-      --lr 1e-5 --out "$RUN/opd" ;;
+      --lr ${RL_LR:-3e-5} --out "$RUN/opd" ;;
   report)
     "$PY" -m dsv41.posttrain.plot "$RUN"
     if [[ -n ${OUT:-} ]]; then  # on the device machine: bring back the small files (no checkpoints)

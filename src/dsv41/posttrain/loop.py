@@ -79,7 +79,7 @@ class AsyncLoop:
         self.policy, self.tok, self.cfg, self.metrics = policy, tok, cfg, metrics
         self.problems = problems
         size = len(cfg.efforts) * cfg.samples_per_effort
-        n_groups = cfg.steps * cfg.prompts_per_step * 2 + cfg.max_in_flight // size + 1  # enough to never run dry
+        n_groups = cfg.steps * cfg.prompts_per_step * 8 + cfg.max_in_flight // size + 1  # stale groups are dropped: spare
         groups = [Group(i, problems[i % len(problems)].family, size, problems[i % len(problems)])
                   for i in range(n_groups)]
         cap = max(cfg.max_in_flight, size)
