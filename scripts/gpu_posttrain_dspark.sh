@@ -24,7 +24,7 @@ pipeline() {
     ctl; bash scripts/posttrain_small.sh opd ) > "$LOG/p2.log" 2>&1 &
   ( while [ ! -f runs/post/sft/done.json ]; do sleep 5; [ -f "$LOG/p1.failed" ] && exit 1; done
     ctl; python -m dsv41 rl --checkpoint runs/post/sft --device cuda --eval-problems 64 --max-tokens 96 --digits 2,4 \
-      --prompts-per-step 8 --max-in-flight 96 --steps "$RL_STEPS" --lr "${RL_LR:-3e-5}" --dispatch batch --out runs/post/rl_sync
+      --prompts-per-step 8 --max-in-flight 96 --max-staleness 4 --max-offpolicy 0.8 --steps "$RL_STEPS" --lr "${RL_LR:-3e-5}" --dispatch batch --out runs/post/rl_sync
   ) > "$LOG/p4.log" 2>&1 &  # the synchronous baseline's accuracy at equal steps (issue 21, acceptance 3)
   ( OUT=runs/dspark RESULTS=runs/results BUDGET_S=${DSPARK_BUDGET_S:-300} bash scripts/train_dspark_small.sh \
       && touch "$LOG/p3.done" ) > "$LOG/p3.log" 2>&1 &

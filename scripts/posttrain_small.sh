@@ -42,7 +42,7 @@ if [[ -n $PRESET ]]; then
 else
   SRC=(--checkpoint models/dsv41-small); COMMON=(--device "$DEVICE" --eval-problems 64 --max-tokens 96 --digits 2,4)
   SFT_STEPS=${SFT_STEPS:-800}; RL_STEPS=${RL_STEPS:-40}; T_STEPS=${T_STEPS:-1500}; OPD_STEPS=${OPD_STEPS:-30}
-  LOOP=(--prompts-per-step 8 --max-in-flight 96)  # ~1.5 batches in flight: more goes stale (2026-12-02 run)
+  LOOP=(--prompts-per-step 8 --max-in-flight 96 --max-staleness 4 --max-offpolicy 0.8)  # 2026-12-02: 128 / 2 / 0.5 dropped 2/3
   TEACHER_BASE=small
 fi
 
