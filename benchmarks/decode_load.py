@@ -174,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"decode_load-{report['date']}.json"
+    for i in range(2, 100):  # never overwrite an earlier run of the same day
+        if not path.exists():
+            break
+        path = out / f"decode_load-{report['date']}-{i}.json"
     for budget in args.budgets:
         for layers in args.layers:
             r = run(model, args, budget, layers or None, args.device)
