@@ -2,13 +2,18 @@
 
     python benchmarks/decode_load.py                         # H200: 64 streams, four 32K prompts
     python benchmarks/decode_load.py --device cpu --preset tiny --streams 4 --context 256 \\
-        --prompts 2 --prompt-len 600 --budgets 64 --steps 5      # a smoke run without a GPU
+        --prompts 2 --prompt-len 600 --budgets 64 --layers 2 --steps 5      # a smoke run without a GPU
 
 64 streams decode from synthetic contexts (`engine/synthetic.py`); their gap between tokens is the
-engine's step time. First the unloaded gaps (p50), then four long prompts arrive at once and are
-prefilled in pieces that ride along with the streams' decode steps, within each step's token
-budget: the gaps while they prefill (p50 / p99 / max) against the unloaded p50, and the prompts'
-time to first token — for each token budget given. Writes benchmarks/results/decode_load-<date>.json.
+engine's step time. First the unloaded gaps (p50), then one prompt of the same length is prefilled
+beside the streams and decodes its tokens, then is freed (warm-up: every prefill kernel compiled for
+the shapes, the decode graph of the larger batch and entry bound captured), then four long prompts
+arrive at once and are prefilled in pieces that ride along with the streams' decode steps, within
+each step's token budget and layer budget (`Engine(prefill_layers=)`: layer passes per step): the
+gaps while they prefill (p50 / p99 / max) against the unloaded p50, the prompts' time to first token,
+the number of steps, and the largest prefill piece (its time on the device, from CUDA events: what it
+adds to its step) — for each token budget × layers per step given.
+Writes benchmarks/results/decode_load-<date>.json.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from dsv41 import load_config
 from dsv41.engine.engine import Engine
+from dsv41.engine.prefill import PrefillJob
 from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.synthetic import synthetic_running
 from dsv41.model.transformer import Transformer
@@ -37,13 +43,56 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(model, args, budget: int, device: str) -> dict:
+class PieceTimer:
+    """Times every `PrefillJob.step` (one piece) without adding a host sync: CUDA events around it,
+    read after the step's own sync (the host clock on the CPU). `pieces` = (ms, tokens, layers, kind)."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.pending: list[tuple] = []
+        self.pieces: list[tuple[float, int, int, str]] = []
+        self.step_fn = PrefillJob.step
+
+    def __enter__(self) -> PieceTimer:
+        timer, step = self, self.step_fn
+
+        def timed(job, n=None, layers=None):
+            kind = job.run.kind if job.run is not None else "decoder" if job.decoder_pending else \
+                "exact" if job.exact else "replayed" if job.cursor < job.start0 else "encoder"
+            tokens = job.run.hi - job.run.lo if job.run is not None else n or 0
+            if timer.cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = step(job, n, layers)
+                b.record()
+            else:
+                a, out, b = time.perf_counter(), step(job, n, layers), time.perf_counter()
+            timer.pending.append((a, b, tokens, layers, kind))
+            return out
+
+        PrefillJob.step = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        PrefillJob.step = self.step_fn
+
+    def collect(self) -> list[tuple[float, int, int, str]]:
+        """Pieces since the last call (call after a sync)."""
+        out = [((b - a) * 1e3 if not self.cuda else a.elapsed_time(b), t, k, kind)
+               for a, b, t, k, kind in self.pending]
+        self.pending.clear()
+        self.pieces += out
+        return out
+
+
+def run(model, args, budget: int, layers: int | None, device: str) -> dict:
     n_ctx = args.context + args.steps * 4 + 4096
     engine = Engine(model, max_batch=args.streams + args.prompts, max_seq_len=max(n_ctx, args.prompt_len + 64),
                     max_tokens=args.streams * n_ctx + args.prompts * (args.prompt_len + 64),
-                    prefill_chunk=min(budget, args.chunk), token_budget=budget + args.streams)
+                    prefill_chunk=min(budget, args.chunk), token_budget=budget + args.streams, prefill_layers=layers)
     synthetic_running(engine, args.streams, args.context)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    V = model.config.vocab_size
 
     def timed_step() -> float:
         t0 = time.perf_counter()
@@ -54,26 +103,44 @@ def run(model, args, budget: int, device: str) -> dict:
     for _ in range(5):
         timed_step()
     unloaded = [timed_step() for _ in range(args.steps)]
-    V = model.config.vocab_size
+    # warm-up: one prompt of the same shapes through prefill and its decode, then freed
+    t_warm = time.perf_counter()
+    warm = engine.add_request(torch.randint(3, V, (args.prompt_len,)).tolist(), SamplingParams(max_tokens=2))
+    while not warm.finished:
+        timed_step()
+    warm_s = time.perf_counter() - t_warm
     prompts = [engine.add_request(torch.randint(3, V, (args.prompt_len,)).tolist(), SamplingParams(max_tokens=2))
                for _ in range(args.prompts)]
     t0 = time.perf_counter()
-    loaded, first_token = [], {}
-    while any(not p.output for p in prompts):
-        loaded.append(timed_step())
-        for p in prompts:
-            if p.output and p.id not in first_token:
-                first_token[p.id] = time.perf_counter() - t0
-        if len(loaded) > 100000:
-            raise RuntimeError("the prompts never finished prefilling")
+    loaded, first_token, steps = [], {}, []
+    with PieceTimer(device) as timer:
+        while any(not p.output for p in prompts):
+            loaded.append(timed_step())
+            pieces = timer.collect()
+            steps.append({"ms": loaded[-1] * 1e3, "pieces": [(round(ms, 2), t, k, kind) for ms, t, k, kind in pieces]})
+            for p in prompts:
+                if p.output and p.id not in first_token:
+                    first_token[p.id] = time.perf_counter() - t0
+            if len(loaded) > 200000:
+                raise RuntimeError("the prompts never finished prefilling")
+    elapsed = time.perf_counter() - t0
     p50 = statistics.median(unloaded)
-    return {"token_budget": budget, "prefill_chunk": engine.prefill_chunk,
+    piece_ms = [ms for ms, *_ in timer.pieces]
+    largest = max(timer.pieces, default=(0.0, 0, 0, ""))
+    return {"token_budget": budget, "prefill_chunk": engine.prefill_chunk, "prefill_layers": layers,
             "unloaded_gap_ms": {"p50": p50 * 1e3, "p99": pct(unloaded, 0.99) * 1e3},
             "loaded_gap_ms": {"p50": statistics.median(loaded) * 1e3, "p99": pct(loaded, 0.99) * 1e3,
                               "max": max(loaded) * 1e3},
             "p99_loaded_over_p50_unloaded": pct(loaded, 0.99) / p50,
             "loaded_steps": len(loaded), "ttft_s": sorted(first_token.values()),
-            "prefill_tok_s_while_decoding": args.prompts * args.prompt_len / (time.perf_counter() - t0)}
+            "prefill_tok_s_while_decoding": args.prompts * args.prompt_len / elapsed,
+            "warmup_s": warm_s,
+            "prefill_pieces": len(timer.pieces),
+            "piece_ms": {"p50": statistics.median(piece_ms) if piece_ms else 0.0,
+                         "p99": pct(piece_ms, 0.99) if piece_ms else 0.0, "max": largest[0]},
+            "largest_piece": {"ms": largest[0], "tokens": largest[1], "layers": largest[2], "kind": largest[3]},
+            "max_layer_passes_per_step": max((sum(k or 0 for _, _, k, _ in s["pieces"]) for s in steps), default=0),
+            "slowest_steps": sorted(steps, key=lambda s: -s["ms"])[:5]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32768)
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 1024],
                     help="prefill tokens per step beside the decode tokens")
+    ap.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4],
+                    help="prefill layer passes per step while streams decode (0: no layer bound, whole chunks)")
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=60, help="unloaded steps measured")
     ap.add_argument("--out", default=str(RESULTS))
@@ -100,19 +169,30 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "decode_load", "date": dt.date.today().isoformat(), "preset": args.preset,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "streams": args.streams, "context": args.context, "prompts": args.prompts,
-              "prompt_len": args.prompt_len, "runs": []}
+              "prompt_len": args.prompt_len, "runs": [],
+              "note": "prefill in layer pieces (Engine prefill_layers) and a warm-up prefill before measuring"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"decode_load-{report['date']}.json"
+    for i in range(2, 100):  # never overwrite an earlier run of the same day
+        if not path.exists():
+            break
+        path = out / f"decode_load-{report['date']}-{i}.json"
     for budget in args.budgets:
-        r = run(model, args, budget, args.device)
-        report["runs"].append(r)
-        path.write_text(json.dumps(report, indent=1))  # after every budget: a run cut short keeps what it measured
-        print(json.dumps(r, default=lambda v: round(v, 3)))
+        for layers in args.layers:
+            r = run(model, args, budget, layers or None, args.device)
+            report["runs"].append(r)
+            path.write_text(json.dumps(report, indent=1))  # after every run: a run cut short keeps what it measured
+            print(json.dumps({k: v for k, v in r.items() if k != "slowest_steps"}, default=lambda v: round(v, 3)))
     print(f"wrote {path}")
     for r in report["runs"]:
-        print(f"budget {r['token_budget']:>6}: unloaded p50 {r['unloaded_gap_ms']['p50']:.2f} ms, loaded p99 "
-              f"{r['loaded_gap_ms']['p99']:.2f} ms = {r['p99_loaded_over_p50_unloaded']:.2f}x, TTFT {r['ttft_s']}")
+        big = r["largest_piece"]
+        print(f"budget {r['token_budget']:>6} layers/step {r['prefill_layers'] or '-':>2}: unloaded p50 "
+              f"{r['unloaded_gap_ms']['p50']:.2f} ms, loaded p50 {r['loaded_gap_ms']['p50']:.2f} / p99 "
+              f"{r['loaded_gap_ms']['p99']:.2f} / max {r['loaded_gap_ms']['max']:.2f} ms = "
+              f"{r['p99_loaded_over_p50_unloaded']:.2f}x p50, {r['loaded_steps']} steps, largest piece "
+              f"{big['ms']:.2f} ms ({big['kind']}, {big['tokens']} tok x {big['layers']} layers), "
+              f"TTFT {[round(t, 2) for t in r['ttft_s']]} s")
     return 0
 
 

@@ -5,8 +5,10 @@ The engine speaks token ids (tokenization happens at the edges). `generate` is t
   1. one batched decode token for every running sequence past its prefill — the static decode
      step over the fixed pools, replayed from a CUDA graph on GPUs (`engine/graphs.py`), eager
      elsewhere;
-  2. prefill pieces (encoder chunks, decoder bounded replay) of sequences still prefilling and of
-     newly admitted ones, within the step's token budget (`engine/prefill.py: PrefillJob`);
+  2. prefill pieces (encoder chunks, decoder bounded replay, each through some of its layers) of
+     sequences still prefilling and of newly admitted ones, within the step's token budget and, while
+     streams decode, its layer budget (`prefill_layers`: the eager prefill work a step may carry;
+     `engine/prefill.py: PrefillJob`);
   3. sampling, stop checks, and the end of finished requests (prefix cache save, pages freed).
 Every pool is allocated once (`BlockManager`); running out of pages preempts the newest sequence
 to host memory (bit-exact swap) instead of reserving worst-case memory up front.
@@ -70,6 +72,7 @@ class EngineStats:
     decode_tokens: int = 0
     prefill_pieces: int = 0
     prefill_tokens: int = 0
+    prefill_layer_passes: int = 0  # Σ over pieces of the layers each ran
     preemptions: int = 0
     failures: int = 0
     speculative: SpeculativeStats | None = None  # acceptance counters and histogram when speculating
@@ -90,13 +93,15 @@ def _keep_fp32_weights_in_fp32(model: Transformer) -> None:
 
 class Engine:
     def __init__(self, model: Transformer, *, prefill_chunk: int = 2048, max_batch: int = 64,
-                 token_budget: int | None = None, exact_prefill: bool = False,
+                 token_budget: int | None = None, prefill_layers: int | None = 4, exact_prefill: bool = False,
                  prefix_cache: PrefixCache | None = None, max_seq_len: int | None = None,
                  max_tokens: int | None = None, cuda_graphs: bool | None = None, graph_min_entries: int = 1024,
                  page_rows: int = PAGE_ROWS, drafter: Drafter | None = None, step_time: StepTimeCurve | None = None):
         """max_seq_len bounds one sequence (default: the config's); max_tokens sizes the global-KV
         pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
-        max_seq_len); token_budget = tokens per step (default prefill_chunk + max_batch);
+        max_seq_len); token_budget = tokens per step (default prefill_chunk + max_batch); prefill_layers =
+        layer passes of prefill per step while sequences decode (a chunk through 4 layers by default; None:
+        whole chunks), which bounds the eager work a step adds to the streams' token gaps;
         cuda_graphs: replay decode steps from CUDA graphs (default: on CUDA devices); page_rows =
         entries per page of the global-KV pools. drafter: speculative decoding (off when None);
         step_time: its verification step-time curve (default: profiled here, `profile_step_time`)."""
@@ -128,7 +133,7 @@ class Engine:
             if self.step_time is None:  # the start-up profile the verification-length scheduler plans with
                 self.step_time = profile_step_time(self.runner, self.pools, k=drafter.k, max_batch=max_batch)
         self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch,
-                                   decode_tokens=decode_tokens)
+                                   decode_tokens=decode_tokens, prefill_layers=prefill_layers)
         self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
         self._ids = itertools.count()
         self._drafting: set[int] = set()  # ids of the sequences the drafter has started
@@ -191,20 +196,23 @@ class Engine:
             dt = time.perf_counter() - t0
             for seq in batch.decode:
                 seq.decode_s += dt / len(batch.decode)
-        for seq, n in batch.prefill:
+        for seq, piece in batch.prefill:
+            if seq.job is None:  # an earlier piece of this step failed
+                continue
             t0 = time.perf_counter()
             if self.drafter is not None and not seq.job.capture_layers:
                 seq.job.capture_layers = tuple(self.drafter.features_wanted())
                 seq.job.capture_at = getattr(self.drafter, "features_at", "output")
             try:
-                logits = seq.job.step(n)
+                logits = seq.job.step(piece.tokens, piece.layers)
             except Exception as err:  # noqa: BLE001 - one request's failure must not stop the batch
                 log.exception("prefill of request %d failed", seq.id)
                 outputs.append(self._fail(seq, f"prefill failed: {err}"))
                 continue
             seq.prefill_ms += (time.perf_counter() - t0) * 1e3
             self.stats.prefill_pieces += 1
-            self.stats.prefill_tokens += n
+            self.stats.prefill_tokens += piece.tokens if piece.new else 0
+            self.stats.prefill_layer_passes += piece.layers
             if logits is not None:
                 features, seq.job = seq.job.features, None
                 if self.prefix_cache is not None and not seq.exact_prefill:

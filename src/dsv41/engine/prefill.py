@@ -26,13 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import Tensor
 
 from dsv41.engine.cache import SequenceCache
-from dsv41.engine.runner import Capture, Runner
+from dsv41.engine.runner import Capture, Carry, Runner
 from dsv41.plan import FULL
 
 
@@ -80,6 +79,44 @@ def encoder_only_supported(runner: Runner) -> bool:
     return decoder_sources in ([], [c.encoder_layers])
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One step's share of a prefill: `layers` consecutive layers of one run — an encoder (exact: all-layer)
+    chunk of `tokens` tokens, or the decoder replay over its `tokens` last prompt tokens. `new`: the piece
+    starts its run, so its tokens count against the step's token budget (the run's later pieces cost
+    layers only). `kind`: "encoder", "replayed" (cached tokens again, window KV only), "exact", "decoder"."""
+
+    tokens: int
+    layers: int
+    new: bool
+    kind: str
+
+    @property
+    def grows(self) -> int:
+        """Tokens the piece's run adds to the cache (what its pages must hold)."""
+        return self.tokens if self.kind in ("encoder", "exact") else 0
+
+
+@dataclass
+class _Run:
+    """A chunk (or the decoder replay) part-way through its layers: what the next piece continues."""
+
+    kind: str  # Piece.kind
+    lo: int  # first position
+    hi: int  # end position
+    ids: list[int]
+    ids_t: Tensor  # (1, T) the same on the device
+    layers: range  # every layer the run goes through
+    next_layer: int  # the first layer not run yet
+    carry: Carry  # streams, fused hand-over and top-k between its pieces
+    mask: Tensor | None = None  # (1, T) image positions of [lo, hi)
+    embeds: Tensor | None = None  # (m, dim) their embeddings (layer 0 only)
+
+    @property
+    def layers_left(self) -> int:
+        return self.layers.stop - self.next_layer
+
+
 class PrefillJob:
     """One sequence's prefill of `tokens` (appended after what seq already holds), in pieces.
 
@@ -89,10 +126,12 @@ class PrefillJob:
     decoder_windows_valid: seq's decoder rings hold the exact state at its end (an exact resume),
     so a short suffix continues them instead of starting a fresh bounded replay.
 
-    Pieces: encoder (or, exact, all-layer) chunks of at most `chunk` tokens — any size the caller
-    allows — then one decoder replay of at most n_win tokens. `plan(budget)` lists the next pieces
-    that fit a token budget; `step(n)` runs one and returns the last position's logits (vocab,)
-    fp32 after the final piece, None before.
+    Runs: encoder (or, exact, all-layer) chunks of at most `chunk` tokens — any size the caller
+    allows — then one decoder replay of at most n_win tokens. A piece is a run through some of its
+    layers (`Piece`): the streams between two pieces of a run stay on the job (`runner.Carry`), so a
+    run cut anywhere between layers computes exactly what it computes whole. `plan(budget, layers=)`
+    lists the next pieces that fit a token budget and a layer budget; `step(n, layers)` runs one and
+    returns the last position's logits (vocab,) fp32 after the final piece, None before.
 
     capture_layers: block ids whose hidden states a speculative drafter wants (`engine/speculative.py`);
     after the final piece `features` holds, per layer, the mean over streams at the prompt's last m
@@ -112,15 +151,16 @@ class PrefillJob:
         if self.exact and encoder_replay:
             raise ValueError("encoder replay needs encoder-only prefill")
         self.tokens = list(tokens)
-        self.images = images  # embeddings at absolute positions of the whole prompt (cached part included)
+        self.images = images  # embeddings at absolute prompt positions of the whole prompt (cached part included)
         self.start0 = seq.n_tokens
         self.n_total = self.start0 + len(tokens)
         self.first = self.start0 - encoder_replay  # first position run (replayed tokens come first)
-        self.cursor = self.first  # next position to run through the encoder (or every layer)
+        self.cursor = self.first  # first position no run has started on yet
         self.replay_start = torch.tensor([self.first], device=seq.device) if encoder_replay else None
         self.continue_windows = decoder_windows_valid
         self.layers = range(c.n_layers) if self.exact else range(c.encoder_layers)
         self.done = False
+        self.run: _Run | None = None  # the run part-way through its layers
         self.tail_h: Tensor | None = None
         self.tail_pre: Tensor | None = None
         self.capture_layers, self.capture_at = tuple(capture_layers), capture_at
@@ -131,35 +171,57 @@ class PrefillJob:
     # ------------------------------------------------------------------ scheduling view
     @property
     def decoder_pending(self) -> bool:
+        """The encoder pass is done and the decoder replay has not finished."""
         return not self.exact and self.cursor >= self.n_total and not self.done
 
+    @property
+    def in_progress(self) -> bool:
+        """A run has started and has layers left (its next piece costs no new tokens)."""
+        return self.run is not None
+
     def remaining(self) -> int:
-        """Tokens still to run (encoder tokens + the decoder replay)."""
+        """Tokens still to start (encoder tokens + the decoder replay, unless it has started)."""
         if self.done:
             return 0
         left = self.n_total - self.cursor
-        return left + (0 if self.exact else self._n_replay())
+        started = self.run is not None and self.run.kind == "decoder"
+        return left + (0 if self.exact or started else self._n_replay())
 
-    def plan(self, budget: int, alone: bool = True) -> list[int]:
-        """Token counts of the next pieces that fit in `budget` (in order; what `step` runs). A
-        piece never straddles the replayed / new-token boundary; the decoder replay is one piece,
-        taken over budget only when `alone` (nothing else runs in the step) and it is next."""
-        pieces: list[int] = []
-        cur = self.cursor
-        while not self.done and budget > 0:
-            if not self.exact and cur >= self.n_total:  # the decoder replay
-                n = self._n_replay()
-                if n <= budget or (alone and not pieces):
-                    pieces.append(n)
-                break
-            n = min(self.n_total - cur, self.chunk, budget)
-            if cur < self.start0:
-                n = min(n, self.start0 - cur)
-            pieces.append(n)
-            cur += n
-            budget -= n
-            if self.exact and cur >= self.n_total:
-                break
+    def plan(self, budget: int, alone: bool = True, layers: int | None = None) -> list[Piece]:
+        """The next pieces (in order; what `step` runs) within `budget` new tokens and `layers` layer
+        passes (None: no layer bound). The pieces of the run in progress cost no tokens; a new run
+        never straddles the replayed / new-token boundary; the decoder replay starts only when its
+        n_win tokens fit the budget, or over budget when `alone` (nothing else runs in the step)
+        and it is the first piece."""
+        pieces: list[Piece] = []
+        layer_left = float("inf") if layers is None else layers
+        cur, run = self.cursor, self.run
+        kind, T, left = (run.kind, run.hi - run.lo, run.layers_left) if run is not None else ("", 0, 0)
+        new = False
+        while not self.done and layer_left > 0:
+            if left == 0:  # start the next run
+                if kind == "decoder" or (self.exact and cur >= self.n_total):
+                    break  # the last run is planned
+                if not self.exact and cur >= self.n_total:
+                    T = self._n_replay()
+                    if not (T <= budget or (alone and not pieces)):
+                        break
+                    kind, left = "decoder", self.runner.config.n_layers - self.runner.config.encoder_layers
+                else:
+                    T = min(self.n_total - cur, self.chunk, budget)
+                    if cur < self.start0:
+                        T = min(T, self.start0 - cur)
+                    if T <= 0:
+                        break
+                    kind = "exact" if self.exact else "replayed" if cur < self.start0 else "encoder"
+                    left, cur = len(self.layers), cur + T
+                budget -= T
+                new = True
+            k = int(min(left, layer_left))
+            pieces.append(Piece(T, k, new, kind))
+            left -= k
+            layer_left -= k
+            new = False
         return pieces
 
     def _n_replay(self) -> int:
@@ -167,42 +229,91 @@ class PrefillJob:
 
     # ------------------------------------------------------------------ running
     @torch.no_grad()
-    def step(self, n: int | None = None) -> Tensor | None:
-        """Run the next piece: n encoder (exact: all-layer) tokens (default: as `plan` would with
-        one chunk of budget), or the decoder replay when the encoder pass is done."""
+    def step(self, n: int | None = None, layers: int | None = None) -> Tensor | None:
+        """Run the next piece: `layers` more layers (default: all it has left) of the run in progress,
+        or of a new one — n encoder (exact: all-layer) tokens (default: as `plan` would with one chunk
+        of budget), or the decoder replay once the encoder pass is done."""
         if self.done:
             raise RuntimeError("PrefillJob.step: the prefill has finished")
-        if self.decoder_pending:
-            return self._decoder()
-        n = n or self.plan(self.chunk)[0]
-        lo = self.cursor
-        hi = min(lo + n, self.start0 if lo < self.start0 else self.n_total)
+        run = self.run
+        if run is None:
+            run = self.run = self._start(n)
+        elif n is not None and n != run.hi - run.lo:
+            raise ValueError(f"PrefillJob.step: a run of {run.hi - run.lo} tokens is in progress, not {n}")
+        k = run.layers_left if layers is None else min(int(layers), run.layers_left)
+        if k < 1:
+            raise ValueError(f"PrefillJob.step: layers must be >= 1, got {layers}")
+        piece = range(run.next_layer, run.next_layer + k)
         seq, runner = self.seq, self.runner
-        replayed = hi <= self.start0  # cached tokens run again: window KV only
-        ids = seq.tokens[lo:hi] if replayed else self.tokens[lo - self.start0:hi - self.start0]
-        mask, embeds = self.images.piece(lo, hi) if self.images is not None else (None, None)
-        capture = self._capture(self.layers)
-        h, pre_mix = runner.forward([seq], torch.tensor([ids], device=seq.device), [lo], self.layers,
-                                    replay_start=self.replay_start, compress=not replayed, image_mask=mask,
-                                    image_embeds=embeds, capture=capture)
+        capture = self._capture(piece)
+        ids = run.ids_t
+        if run.kind == "decoder":
+            # from the encoder outputs (bounded replay); the decoder's global KV is cached: not recomputed
+            n_replay = run.hi - run.lo
+            first = run.carry.h is None
+            continue_windows = self.continue_windows and run.lo == self.start0
+            runner.forward([seq], ids, [run.lo], piece, self.tail_h[:, -n_replay:] if first else None,
+                           self.tail_pre[:, -n_replay:] if first else None,
+                           replay_start=None if continue_windows else torch.tensor([run.lo], device=seq.device),
+                           compress=False, image_mask=run.mask, capture=capture, carry=run.carry)
+        else:
+            runner.forward([seq], ids, [run.lo], piece, replay_start=self.replay_start,
+                           compress=run.kind != "replayed", image_mask=run.mask,
+                           image_embeds=run.embeds if piece.start == 0 else None, capture=capture, carry=run.carry)
         self._keep_features(capture)
-        c = runner.config
-        enc = c.encoder_layers
-        if not self.exact and not replayed and enc < c.n_layers and c.compress_ratios[enc] \
-                and runner.plans[enc].mode == FULL:
-            runner.produce(enc, [seq], h, pre_mix, [lo])
-        if not replayed:
-            seq.tokens.extend(ids)
+        run.next_layer += k
+        if run.layers_left:
+            return None
+        self.run = None
+        return self._finish(run)
+
+    def _start(self, n: int | None) -> _Run:
+        """The next run: the decoder replay once the encoder pass is done, else a chunk of n tokens."""
+        c = self.runner.config
+        if self.decoder_pending:
+            lo = self.n_total - self._n_replay()
+            mask = self.images.piece(lo, self.n_total)[0] if self.images is not None else None
+            ids = self.seq.tokens[lo:self.n_total]
+            return _Run("decoder", lo, self.n_total, ids, self._device_ids(ids), range(c.encoder_layers, c.n_layers),
+                        c.encoder_layers, Carry(c.n_layers), mask)
+        lo = self.cursor
+        n = n or min(self.n_total - lo, self.chunk)
+        hi = min(lo + n, self.start0 if lo < self.start0 else self.n_total)
+        replayed = hi <= self.start0  # cached tokens run again: window KV only
+        ids = self.seq.tokens[lo:hi] if replayed else self.tokens[lo - self.start0:hi - self.start0]
+        mask, embeds = self.images.piece(lo, hi) if self.images is not None else (None, None)
+        kind = "exact" if self.exact else "replayed" if replayed else "encoder"
         self.cursor = hi
-        if self.exact:
-            if hi >= self.n_total:
+        return _Run(kind, lo, hi, ids, self._device_ids(ids), self.layers, self.layers.start, Carry(self.layers.stop),
+                    mask, embeds)
+
+    def _device_ids(self, ids: list[int]) -> Tensor:
+        return torch.tensor([ids], device=self.seq.device)  # (1, T)
+
+    def _finish(self, run: _Run) -> Tensor | None:
+        """A run went through all its layers: publish what the next runs read; logits after the last."""
+        runner, seq, c = self.runner, self.seq, self.runner.config
+        h, pre_mix = run.carry.h, run.carry.pre_mix
+        run.carry = Carry(run.layers.stop)  # drop the streams
+        if run.kind == "decoder":
+            self._trim_features()
+            self.done = True
+            self.tail_h = self.tail_pre = None
+            return runner.logits(h, pre_mix)[0]
+        enc = c.encoder_layers
+        if run.kind == "encoder" and enc < c.n_layers and c.compress_ratios[enc] and runner.plans[enc].mode == FULL:
+            # the decoder's global KV: its kv source's compressor over this chunk's encoder output
+            runner.produce(enc, [seq], h, pre_mix, [run.lo])
+        if run.kind != "replayed":
+            seq.tokens.extend(run.ids)
+        if run.kind == "exact":
+            if run.hi >= self.n_total:
                 self.done = True
                 self._trim_features()
                 return runner.logits(h, pre_mix)[0]
             return None
         self._keep_tail(h, pre_mix)
         return None
-
     def _capture(self, layers: range) -> Capture | None:
         wanted = tuple(i for i in self.capture_layers if i in layers)
         return Capture(layers=wanted, at=self.capture_at) if wanted else None
@@ -223,30 +334,10 @@ class PrefillJob:
             self.features = {i: f[-m:] for i, f in self.features.items()}
 
     def _keep_tail(self, h: Tensor, pre_mix: Tensor) -> None:
+        """The encoder output of the last n_win positions run: the decoder replay's input."""
         W = self.runner.config.window_size
         self.tail_h = h[:, -W:] if self.tail_h is None else torch.cat((self.tail_h, h), dim=1)[:, -W:]
         self.tail_pre = pre_mix[:, -W:] if self.tail_pre is None else torch.cat((self.tail_pre, pre_mix), dim=1)[:, -W:]
-
-    def _decoder(self) -> Tensor:
-        """The last n_win tokens through the decoder from their encoder outputs (bounded replay)."""
-        runner, seq, c = self.runner, self.seq, self.runner.config
-        n_replay = self._n_replay()
-        replay = self.n_total - n_replay
-        ids = seq.tokens[replay:self.n_total]
-        start = torch.tensor([replay], device=seq.device)
-        continue_windows = self.continue_windows and replay == self.start0
-        mask = self.images.piece(replay, self.n_total)[0] if self.images is not None else None
-        capture = self._capture(range(c.encoder_layers, c.n_layers))
-        forward = partial(runner.forward, capture=capture)  # hidden states for a speculative drafter
-        h, pre_mix = forward([seq], torch.tensor([ids], device=seq.device), [replay],
-                                    range(c.encoder_layers, c.n_layers), self.tail_h[:, -n_replay:],
-                                    self.tail_pre[:, -n_replay:], replay_start=None if continue_windows else start,
-                                    compress=False, image_mask=mask)
-        self._keep_features(capture)
-        self._trim_features()
-        self.done = True
-        self.tail_h = self.tail_pre = None
-        return runner.logits(h, pre_mix)[0]
 
 
 def prefill(runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,

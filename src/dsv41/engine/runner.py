@@ -60,6 +60,20 @@ class Capture:
 
 
 @dataclass
+class Carry:
+    """What passes from one layer piece of a chunk to the next (a prefill cut at layer granularity,
+    `engine/prefill.py`): the streams, the fused input the last block made for the next one, and the
+    selection Reuse layers take — so that pieces [a, b) then [b, c) compute exactly what [a, c) does."""
+
+    stop: int  # end of the whole layer range the pieces cover (the fused hand-over never crosses it)
+    h: Tensor | None = None  # (B, T, n, d) streams entering the next piece
+    pre_mix: Tensor | None = None  # (B, T, n)
+    entry: tuple[Tensor, Tensor | None] | None = None  # (collapsed input, mixes) made for the next block
+    topk: Tensor | None = None  # (B, T, K) the last index source's selection
+    blocks: Tensor | None = None  # (B, T, kb) the candidate source's blocks
+
+
+@dataclass
 class StepRecord:
     """What one cached forward shares across layers (replaces the reference's module global)."""
 
@@ -103,18 +117,21 @@ class Runner:
     def forward(self, seqs: list[SequenceCache], tokens: Tensor, start: Tensor | list[int], layers: range,
                 h: Tensor | None = None, pre_mix: Tensor | None = None, *, replay_start: Tensor | None = None,
                 compress: bool = True, image_mask: Tensor | None = None,
-                image_embeds: Tensor | None = None, capture: Capture | None = None) -> tuple[Tensor, Tensor]:
+                image_embeds: Tensor | None = None, capture: Capture | None = None,
+                carry: Carry | None = None) -> tuple[Tensor, Tensor]:
         """Run `layers` over tokens (B, T) at positions start[b] + t. Starting at layer 0 embeds the
         tokens — the M True positions of `image_mask` (B, T) taking `image_embeds` (M, dim), the vision
         stage's output (`prefill.encode_prompt_images`); otherwise (h, pre_mix) are the streams entering
         layers.start. Image positions route with `bias_vl` and are dead for Engram. Tokens before
         start[b] must already be in seqs[b].tokens (Engram history). `capture` collects hidden states and
-        compressor projections on the way (speculative verification)."""
+        compressor projections on the way (speculative verification). With `carry`, `layers` is one
+        piece of carry's range: the streams (when layers.start > 0), the fused hand-over and the top-k
+        come from it, and go back into it for the next piece."""
         record = self.host_record(seqs, start, tokens.size(1), replay_start=replay_start, compress=compress,
                                   history=any(self.plans[i].engram for i in layers))
         record.image_mask = image_mask
         record.capture = capture
-        return self._layers(record, tokens, layers, h, pre_mix, image_embeds)
+        return self._layers(record, tokens, layers, h, pre_mix, image_embeds, carry)
 
     def host_record(self, seqs: list[SequenceCache], start: Tensor | list[int], T: int, *,
                     replay_start: Tensor | None = None, compress: bool = True, history: bool = True) -> StepRecord:
@@ -164,9 +181,19 @@ class Runner:
 
     # ------------------------------------------------------------------ the layer stack
     def _layers(self, record: StepRecord, tokens: Tensor, layers: range, h: Tensor | None = None,
-                pre_mix: Tensor | None = None, image_embeds: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                pre_mix: Tensor | None = None, image_embeds: Tensor | None = None,
+                carry: Carry | None = None) -> tuple[Tensor, Tensor]:
         model, c = self.model, self.config
         image_mask = record.image_mask  # None in the decode step: text tokens only
+        entry = None  # (input, mixes) the previous block's last fused pass made for the next block
+        last = layers.stop - 1  # the last block whose hand-over may fuse the next one's projection
+        if carry is not None:
+            if not carry.stop >= layers.stop:
+                raise ValueError(f"layers {layers} run past the carried range's end {carry.stop}")
+            if layers.start > 0 and carry.h is not None:
+                h, pre_mix = carry.h, carry.pre_mix
+            entry, record.topk, record.blocks = carry.entry, carry.topk, carry.blocks
+            last = carry.stop - 1
         if layers.start == 0:
             x = model.embed(tokens) if image_embeds is None else model.embed_tokens(tokens, image_mask, image_embeds)
             h = x.unsqueeze(2).repeat(1, 1, c.hc_mult, 1)  # (B, T, n, d)
@@ -174,7 +201,6 @@ class Runner:
         hash_ids = None
         if any(self.plans[i].engram for i in layers):
             hash_ids = model.hasher(tokens, history=record.history, dead_mask=image_mask)  # (B, T, n_engram, cols)
-        entry = None  # (input, mixes) the previous block's last fused pass made for the next block
         capture = record.capture
         wanted = set(capture.layers) if capture is not None else set()
         for i in layers:
@@ -189,9 +215,12 @@ class Runner:
                 return self.attention(i, x, record)
 
             h, pre_mix, entry = block(h, pre_mix, attention, image_mask=image_mask, entry=entry,
-                                      next_fn=model.next_fn(i, layers.stop - 1))
+                                      next_fn=model.next_fn(i, last))
             if i in wanted and capture.at == "output":
                 capture.features[i] = h.mean(dim=2)  # (B, T, d)
+        if carry is not None:
+            carry.h, carry.pre_mix, carry.entry = h, pre_mix, entry
+            carry.topk, carry.blocks = record.topk, record.blocks
         return h, pre_mix
 
     # ------------------------------------------------------------------ attention with caches

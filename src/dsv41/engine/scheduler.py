@@ -4,8 +4,16 @@ Each step has a **token budget** (vLLM v1's scheduler; nano-vllm's `scheduler.py
 sequence that is decoding gets one token, and what is left goes to prefill pieces — chunks of the
 encoder pass of sequences still prefilling (oldest first), then newly admitted requests. So a long
 prompt is cut into pieces that ride along with the running streams' decode steps instead of
-stalling them (chunked prefill); a piece that cannot be split (the decoder's bounded replay) waits
-for a step with room for it, or runs alone.
+stalling them (chunked prefill); the decoder's bounded replay starts only in a step with room for
+its n_win tokens, or alone.
+
+Time, not only tokens: while any sequence decodes, a step runs at most `prefill_layers` layer passes
+of prefill (a piece = one chunk through some consecutive layers, `prefill.Piece`; the streams between
+pieces stay on the prefill job). Eager prefill costs about a fixed host time per layer plus GPU time per
+token·layer, so a step's prefill work is bounded by `prefill_layers` × (per-layer cost + token_budget ×
+per-token·layer cost) whatever the chunk or the prompt. A chunk's tokens count against the token budget
+in the step its first piece runs; its later pieces cost layers only. A step without decode rows runs its
+pieces whole (no stream waits on it).
 
 Memory: the engine's pools are fixed. A decode token that needs a page when none is free
 preempts the most recently admitted running sequence (its cache is swapped to the host; it
@@ -24,9 +32,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dsv41.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # policy only: the piece type, never torch at run time
+    from dsv41.engine.prefill import Piece
 
 
 class Capacity(Protocol):
@@ -47,25 +58,33 @@ class Capacity(Protocol):
 @dataclass
 class ScheduledBatch:
     decode: list[Sequence] = field(default_factory=list)  # one token each, in one batched step
-    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens of its next piece)
+    prefill: list[tuple[Sequence, Piece]] = field(default_factory=list)  # (sequence, its next piece), in order
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.prefill)
+        return len(self.decode) + sum(p.tokens for _, p in self.prefill if p.new)
+
+    @property
+    def n_layer_passes(self) -> int:
+        return sum(p.layers for _, p in self.prefill)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
 
 
 class Scheduler:
-    def __init__(self, capacity: Capacity, *, max_batch: int = 64, token_budget: int = 2048, decode_tokens: int = 1):
+    def __init__(self, capacity: Capacity, *, max_batch: int = 64, token_budget: int = 2048, decode_tokens: int = 1,
+                 prefill_layers: int | None = None):
         if max_batch < 1 or token_budget < 1 or decode_tokens < 1:
             raise ValueError(f"max_batch, token_budget and decode_tokens must be >= 1, got {max_batch}, "
                              f"{token_budget}, {decode_tokens}")
+        if prefill_layers is not None and prefill_layers < 1:
+            raise ValueError(f"prefill_layers must be >= 1 (or None: no layer bound), got {prefill_layers}")
         self.capacity = capacity
         self.max_batch, self.token_budget = max_batch, token_budget
+        self.prefill_layers = prefill_layers  # layer passes of prefill per step while sequences decode
         self.decode_tokens = decode_tokens  # positions a decode row may run this step (k + 1 when speculating)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
@@ -102,10 +121,13 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 out.decode.append(seq)
         budget -= len(out.decode) * self.decode_tokens
-        # 2. the next pieces of every sequence still prefilling, oldest first
+        # the layer bound protects decoding streams' gaps; a step without them runs its pieces whole
+        layers = self.prefill_layers if out.decode else None
+        # 2. the next pieces of every sequence still prefilling, oldest first (a run in progress
+        #    continues whatever the token budget: its tokens were counted when it started)
         for seq in self.running:
-            if seq.prefilling and budget > 0:
-                budget -= self._piece(seq, budget, out, plan)
+            if seq.prefilling and (budget > 0 or seq.job.in_progress) and (layers is None or layers > 0):
+                budget, layers = self._piece(seq, budget, layers, out, plan)
         # 3. admit from the queue (FIFO, no overtaking) while the budget and the batch have room, and
         #    the head's whole prompt fits beside what the running prefills still need
         committed = plan.commitments([s for s in self.running if s.prefilling])
@@ -122,19 +144,22 @@ class Scheduler:
             out.admitted.append(seq)
             if seq.prefilling:
                 committed = plan.commitments([s for s in self.running if s.prefilling])
-                budget -= self._piece(seq, budget, out, plan)
+                budget, layers = self._piece(seq, budget, layers, out, plan)
             elif plan.claim(seq, self.capacity.pages_to_grow(seq, self.decode_tokens)):  # swapped back in mid-decode
                 out.decode.append(seq)
                 budget -= self.decode_tokens
         return out
 
-    def _piece(self, seq: Sequence, budget: int, out: ScheduledBatch, plan: _Pages) -> int:
-        """Schedule the prefill pieces of `seq` that fit in the budget; returns the tokens taken."""
-        pieces = seq.job.plan(budget, alone=not out)
-        while pieces and not plan.claim(seq, self.capacity.pages_to_grow(seq, sum(pieces))):
+    def _piece(self, seq: Sequence, budget: int, layers: int | None, out: ScheduledBatch,
+               plan: _Pages) -> tuple[int, int | None]:
+        """Schedule the prefill pieces of `seq` that fit in the token and layer budgets; returns what is
+        left of both. Pages are claimed for every chunk a piece belongs to (taken by its Full layers)."""
+        pieces = seq.job.plan(budget, alone=not out, layers=layers)
+        while pieces and not plan.claim(seq, self.capacity.pages_to_grow(seq, sum(p.grows for p in pieces))):
             pieces.pop()  # waits for pages (a later step, or after a finish frees some)
-        out.prefill.extend((seq, n) for n in pieces)
-        return sum(pieces)
+        out.prefill.extend((seq, p) for p in pieces)
+        budget -= sum(p.tokens for p in pieces if p.new)
+        return budget, None if layers is None else layers - sum(p.layers for p in pieces)
 
     def _preempt(self, seq: Sequence, out: ScheduledBatch, plan: _Pages) -> None:
         self.capacity.preempt(seq)
@@ -142,7 +167,7 @@ class Scheduler:
         self.running.remove(seq)
         if seq in out.decode:
             out.decode.remove(seq)
-        out.prefill = [(s, n) for s, n in out.prefill if s is not seq]
+        out.prefill = [(s, p) for s, p in out.prefill if s is not seq]
         seq.status = SequenceStatus.PREEMPTED
         seq.n_preemptions += 1
         self.waiting.appendleft(seq)
