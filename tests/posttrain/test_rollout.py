@@ -203,3 +203,31 @@ def test_dataset_caps_hold_back_one_dataset_only():
     assert [g.id for g in d.finished(groups[0])] == [1]
     with pytest.raises(ValueError):
         Dispatcher([Group(0, "a", 9)], max_in_flight=8)
+
+
+def test_recording_the_decode_step_adds_no_host_sync_so_it_can_be_graph_captured(monkeypatch):
+    """With the recorder attached, the static decode step stays sync-free (what CUDA-graph capture needs: the
+    hook only copies ids into a device buffer) and the buffer holds every real row's expert ids after it. That
+    those ids are the right ones is the routing-replay test above (its decode steps take this path too)."""
+    from tests.engine.test_decode_step import _kernels_opaque
+
+    from dsv41.testing.sync import NoSyncMode
+
+    model = engine_test_model(13)
+    engine = Engine(model, max_batch=4, cuda_graphs=False)
+    ro = Rollouts(engine, stop_ids=(), temperature=1.0)
+    samples = [Sample(i, Group(0, "t", 3), 50, p, 6, seed=i) for i, p in enumerate(_prompts(3, 13))]
+    for s in samples:
+        ro.submit(s)
+    while any(s.seq.prefilling or s.seq.next_token is None for s in samples):
+        ro.step()
+    _kernels_opaque(monkeypatch)
+    io, caches, B = engine.io, [s.seq.cache for s in samples], len(samples)
+    io.fill_batch(caches, [s.seq.next_token for s in samples])
+    io.send()
+    ro.recorder._buffer.fill_(-1)
+    with NoSyncMode(), torch.no_grad():
+        engine.runner.decode(io, B, io.max_entries(B))
+    written = ro.recorder._buffer[:, :B]
+    assert (written >= 0).all() and (written < model.config.n_routed_experts).all(), written
+    ro.close()

@@ -1,5 +1,6 @@
-"""The rollout claims on CUDA (Triton kernels, eager decode): interrupt/resume = uninterrupted greedy run with
-no prefill on resume, and replayed routing reproduces the rollout's log-probabilities."""
+"""The rollout claims on CUDA (Triton kernels; decode eager and CUDA-graphed): interrupt/resume = uninterrupted
+greedy run with no prefill on resume, and replayed routing reproduces the rollout's log-probabilities — also when
+the routing was recorded from graph replays (the hook's buffer writes are captured with the step)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ def test_interrupt_resume_on_cuda():
     assert prefills == 0 and forwards == 0
 
 
-def test_routing_replay_on_cuda():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_routing_replay_on_cuda(graphs):
     model = engine_test_model(22).cuda()
-    engine = Engine(model, max_batch=4, cuda_graphs=False)
+    engine = Engine(model, max_batch=4, cuda_graphs=graphs)
     ro = Rollouts(engine, stop_ids=(10,), temperature=1.0)
     samples = [Sample(i, Group(0, "t", 3), 50, p, 16, seed=i) for i, p in enumerate(_prompts(3, 22))]
     for s in samples:

@@ -79,12 +79,14 @@ class AsyncLoop:
         self.policy, self.tok, self.cfg, self.metrics = policy, tok, cfg, metrics
         self.problems = problems
         size = len(cfg.efforts) * cfg.samples_per_effort
-        n_groups = cfg.steps * cfg.prompts_per_step * 8 + cfg.max_in_flight // size + 1  # stale groups are dropped: spare
+        # spare groups: stale ones are dropped (the 2026-12-02 H200 run ran dry with 2x)
+        n_groups = cfg.steps * cfg.prompts_per_step * 8 + cfg.max_in_flight // size + 1
         groups = [Group(i, problems[i % len(problems)].family, size, problems[i % len(problems)])
                   for i in range(n_groups)]
         cap = max(cfg.max_in_flight, size)
         self.dispatcher = Dispatcher(groups, cfg.dispatch, cap, cfg.dataset_caps, cfg.prompts_per_step)
-        kwargs = dict(max_batch=cap, cuda_graphs=False, max_seq_len=min(policy.config.max_seq_len, 1024))
+        # CUDA graphs stay on (the default on CUDA): routing recording is capturable
+        kwargs = dict(max_batch=cap, max_seq_len=min(policy.config.max_seq_len, 1024))
         kwargs.update(engine_kwargs or {})
         self.engine = Engine(clone_model(policy), **kwargs)
         self.max_tokens_fn = max_tokens_fn

@@ -24,9 +24,9 @@ Key ideas (AReaL / prime-rl / verl's designs, on our own `Engine`):
 - **Length bias.** Per-dataset caps (above) and, optionally, dropping groups that finish within
   `min_group_steps` engine steps of their dispatch (short samples that return too early).
 
-Routing capture needs eager decode steps (a CUDA graph replays without calling Python hooks): build the
-rollout engine with `cuda_graphs=False` when recording. Prompts longer than the window need exact prefill
-(`exact_prefill=True`) for the training forward to see what the rollout saw (encoder-only prefill runs the
+Routing capture works under the engine's CUDA graphs: in the static decode step the hook only copies ids into a
+persistent device buffer (captured with the step), harvested after each step. Prompts longer than the window need
+exact prefill (`exact_prefill=True`) for the training forward to see what the rollout saw (encoder-only prefill runs the
 decoder on the last n_win prompt tokens only).
 """
 
@@ -182,21 +182,32 @@ class _RoutedForward:
 class RoutingRecorder:
     """Records the expert ids each token of each sequence got in each MoE layer of an engine's model.
 
-    Cost per forward is O(MoE layers), not O(rows × layers): the gate hook keeps one (B, T, k) clone per
-    layer; when the forward ends they are stacked and copied to pinned host memory without a sync (one copy
-    per forward), and `take` assembles one sequence's table from host tensors (it waits on the copy's event,
-    long finished by then)."""
+    Two paths, both O(MoE layers) per forward (never per row):
+    - host-driven forwards (prefill pieces): the gate hook keeps one (B, T, k) clone per layer; when the forward
+      ends they are stacked and copied to pinned host memory without a sync, indexed by sequence;
+    - the static decode step: the hook copies each layer's ids into a persistent device buffer (L, rows, k) —
+      plain tensor writes with no host work, so a CUDA graph captured with the hook replays them — and the
+      buffer's real rows are harvested (one clone + one non-blocking host copy) after the step, before the next
+      step overwrites it. The rollout engine can therefore keep its CUDA graphs while recording.
+    `take` assembles one sequence's table from host tensors (it waits on the copies' event, long done by then)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.moes = engine.model.moe_layers()
         self.topk = self.moes[0].topk if self.moes else 0
-        self._current = None  # the StepRecord of the forward in progress
-        self._decode_caches: list = []
-        self._pending: list[tuple[int, Tensor]] = []  # (layer, (B, T, k) ids) of the forward in progress
+        self._current = None  # the StepRecord of the host-driven / eager forward in progress
+        self._pending: list[tuple[int, Tensor]] = []  # (layer, (B, T, k) ids) of that forward
         self._forwards: dict[int, _RoutedForward] = {}
         self._next = 0
         self._index: dict[int, list[tuple[int, int]]] = {}  # id(cache) → [(forward key, row)], in order
+        self._decode: tuple[list, list[int]] | None = None  # (caches, positions) of a decode step not harvested
+        rows = engine.io.max_batch
+        # the decode buffer lives as long as the engine: graphs captured with the hook write into it
+        self._buffer = torch.full((len(self.moes), rows, max(self.topk, 1)), -1, dtype=torch.long,
+                                  device=engine.device)  # (L, rows, k)
+        engine._routing_buffer = self._buffer
+        if engine.graphs is not None:
+            engine.graphs.graphs.clear()  # graphs captured without the hook would not write the buffer
         runner, io = engine.runner, engine.io
         self._orig_layers, self._orig_fill = runner._layers, io.fill_batch
 
@@ -209,7 +220,8 @@ class RoutingRecorder:
                 self._close(record)
 
         def fill_batch(caches, tokens):
-            self._decode_caches = list(caches)
+            self._harvest()  # the previous decode step's ids, before this step overwrites the buffer
+            self._decode = (list(caches), [c.n_tokens for c in caches])
             return self._orig_fill(caches, tokens)
 
         runner._layers, io.fill_batch = layers, fill_batch
@@ -219,40 +231,56 @@ class RoutingRecorder:
     def _hook(self, layer: int) -> Callable[[Tensor], Tensor]:
         def record(indices: Tensor) -> Tensor:
             rec = self._current
-            if rec is not None:
-                B, T = rec.positions.shape
+            if rec is None:
+                return indices
+            B, T = rec.positions.shape
+            if rec.seqs is None:  # the static decode step (T = 1): into the buffer, capturable
+                self._buffer[layer, :B].copy_(indices.detach().view(B, -1))
+            else:
                 self._pending.append((layer, indices.detach().view(B, T, -1).clone()))  # (B, T, k)
             return indices
         return record
 
-    def _close(self, record) -> None:
-        """The forward ended: its ids to the host in one copy, indexed by sequence."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        B = record.positions.shape[0]
-        caches = record.seqs if record.seqs is not None else self._decode_caches[:B]
-        ids = torch.stack([t for _, t in pending])  # (L', B, T, k)
-        positions = record.positions.detach()
+    def _store(self, layers: tuple[int, ...], positions: Tensor, ids: Tensor, caches: list) -> None:
+        """ids (L', B, T, k) and positions (B, T) of one forward → host (non-blocking), indexed by sequence."""
         event = None
         if ids.is_cuda:
-            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host_pos = torch.empty(positions.shape, dtype=positions.dtype, pin_memory=True)
-            host_ids.copy_(ids, non_blocking=True)
-            host_pos.copy_(positions, non_blocking=True)
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            ids, positions = host_ids, host_pos
-        else:
-            positions = positions.clone()
+            ids = host
         key, self._next = self._next, self._next + 1
-        self._forwards[key] = _RoutedForward(tuple(layer for layer, _ in pending), positions, ids, event, len(caches))
+        self._forwards[key] = _RoutedForward(layers, positions.cpu(), ids, event, len(caches))
         for b, cache in enumerate(caches):
             self._index.setdefault(id(cache), []).append((key, b))
+
+    def _close(self, record) -> None:
+        """A host-driven forward ended: its ids to the host in one copy."""
+        pending, self._pending = self._pending, []
+        if not pending or record.seqs is None:
+            return
+        ids = torch.stack([t for _, t in pending])  # (L', B, T, k)
+        pos = record.positions.detach()
+        pos = pos.to("cpu", non_blocking=True) if pos.is_cuda else pos.clone()
+        self._store(tuple(layer for layer, _ in pending), pos, ids, list(record.seqs))
+
+    def _harvest(self) -> None:
+        """The decode step that ran last (eager or replayed): its real rows of the buffer to the host."""
+        if self._decode is None:
+            return
+        caches, positions = self._decode
+        self._decode = None
+        B = len(caches)
+        if B == 0 or not self.moes:
+            return
+        ids = self._buffer[:, :B].clone().unsqueeze(2)  # (L, B, 1, k)
+        self._store(tuple(range(len(self.moes))), torch.tensor(positions).view(B, 1), ids, caches)
 
     def take(self, cache, n_positions: int) -> dict[int, Tensor]:
         """The table of one sequence, removed from the recorder: layer → (n_positions, k) long on the CPU,
         −1 where the layer never ran the position (e.g. decoder layers before an encoder-only replay)."""
+        self._harvest()
         tables = {layer: torch.full((n_positions, self.topk), -1, dtype=torch.long) for layer in range(len(self.moes))}
         for key, b in self._index.pop(id(cache), []):
             f = self._forwards[key]
@@ -269,9 +297,12 @@ class RoutingRecorder:
         return tables
 
     def close(self) -> None:
+        self._harvest()
         self.engine.runner._layers, self.engine.io.fill_batch = self._orig_layers, self._orig_fill
         for moe in self.moes:
             moe.gate.route_hook = None
+        if self.engine.graphs is not None:
+            self.engine.graphs.graphs.clear()  # their captured hook copies stay harmless, but drop them
 
 
 @contextmanager
