@@ -44,36 +44,6 @@ LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 
 
-@triton.jit
-def _dot(a, b, FP32: tl.constexpr):
-    if FP32:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _rows(g, T, H):
-    """Flattened (query, head) rows g = t·H + h → (t, h)."""
-    return g // H, g % H
-
-
-@triton.jit
-def _window_visible(t, low, doc_q, u, doc_k, T):
-    """(rows, keys) bool: key u in query t's window (low = max(t − W + 1, replay start), same document)."""
-    return ((u[None, :] >= low[:, None]) & (u[None, :] <= t[:, None]) & (u[None, :] >= 0) & (u[None, :] < T)
-            & (doc_k[None, :] == doc_q[:, None]))
-
-
-@triton.jit
-def _query_rows(doc_ptr, ws_ptr, b, t, row_ok, T, window, s_db, s_wb, HAS_WS: tl.constexpr):
-    """Per row: the query's document id and its window's lowest key."""
-    doc_q = tl.load(doc_ptr + b * s_db + t, mask=row_ok, other=-2)
-    low = t - window + 1
-    if HAS_WS:
-        low = tl.maximum(low, tl.load(ws_ptr + b * s_wb + t, mask=row_ok, other=0))
-    return doc_q, low
-
-
 # ---------------------------------------------------------------------------------------------
 # forward
 
@@ -83,7 +53,7 @@ def _entry_fwd_kernel(q_ptr, pool_ptr, idx_ptr, oe_ptr, lse_e_ptr, logit_ptr,
                       T, H, K, scale, qk_scale,
                       s_qb, s_qt, s_qh, s_pb, s_pn, s_ib, s_it,
                       D: tl.constexpr, HP: tl.constexpr, BLOCK_E: tl.constexpr, N_ETILES: tl.constexpr,
-                      STORE_LOGITS: tl.constexpr, DT: tl.constexpr, FP32: tl.constexpr):
+                      STORE_LOGITS: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """One query's heads against its K entries: the normalized partial (o_e, lse_e in log2 units)."""
     bt = tl.program_id(0)
     b, t = bt // T, bt % T
@@ -104,7 +74,7 @@ def _entry_fwd_kernel(q_ptr, pool_ptr, idx_ptr, oe_ptr, lse_e_ptr, logit_ptr,
         ok = idx >= 0
         k = tl.load(pool_b + tl.where(ok, idx, 0)[:, None] * s_pn + d[None, :], mask=ok[:, None],
                     other=0.0).to(DT)  # (BLOCK_E, D)
-        s = _dot(q, tl.trans(k), FP32)  # (HP, BLOCK_E) raw q·k
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)  # (HP, BLOCK_E) raw q·k
         if STORE_LOGITS:
             tl.store(logit_ptr + row[:, None] * K + e[None, :], s * scale, mask=h_ok[:, None] & (e < K)[None, :])
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
@@ -112,7 +82,7 @@ def _entry_fwd_kernel(q_ptr, pool_ptr, idx_ptr, oe_ptr, lse_e_ptr, logit_ptr,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(DT), k, FP32) + acc * alpha[:, None]
+        acc = tl.dot(p.to(DT), k, input_precision=PREC) + acc * alpha[:, None]
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(oe_ptr + row[:, None] * D + d[None, :], o, mask=h_ok[:, None])
@@ -125,17 +95,20 @@ def _window_fwd_kernel(q_ptr, kv_ptr, doc_ptr, ws_ptr, sink_ptr, oe_ptr, lse_e_p
                        T, H, window, qk_scale,
                        s_qb, s_qt, s_qh, s_kb, s_kt, s_db, s_wb,
                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_WTILES: tl.constexpr,
-                       HAS_WS: tl.constexpr, HAS_ENTRIES: tl.constexpr, DT: tl.constexpr, FP32: tl.constexpr):
+                       HAS_WS: tl.constexpr, HAS_ENTRIES: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """BLOCK_M (query, head) rows against their window keys, the sink, then the entries' partial."""
     b = tl.program_id(1)
     g0 = tl.program_id(0) * BLOCK_M
     g = g0 + tl.arange(0, BLOCK_M)
     row_ok = g < T * H
-    t, h = _rows(g, T, H)
+    t, h = g // H, g % H  # row g = t·H + h
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + (t.to(tl.int64) * s_qt + h * s_qh)[:, None] + d[None, :],
                 mask=row_ok[:, None], other=0.0).to(DT)  # (BLOCK_M, D)
-    doc_q, low = _query_rows(doc_ptr, ws_ptr, b, t, row_ok, T, window, s_db, s_wb, HAS_WS)
+    doc_q = tl.load(doc_ptr + b * s_db + t, mask=row_ok, other=-2)
+    low = t - window + 1  # the window's lowest key, or the replay start
+    if HAS_WS:
+        low = tl.maximum(low, tl.load(ws_ptr + b * s_wb + t, mask=row_ok, other=0))
     m_i = tl.load(sink_ptr + h, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E  # the sink starts the max
     l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)  # … and adds exp2(sink − m) = 1
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -146,13 +119,15 @@ def _window_fwd_kernel(q_ptr, kv_ptr, doc_ptr, ws_ptr, sink_ptr, oe_ptr, lse_e_p
         u_ok = u < T
         k = tl.load(kv_b + u.to(tl.int64)[:, None] * s_kt + d[None, :], mask=u_ok[:, None], other=0.0).to(DT)
         doc_k = tl.load(doc_ptr + b * s_db + u, mask=u_ok, other=-3)
-        s = _dot(q, tl.trans(k), FP32) * qk_scale  # (BLOCK_M, BLOCK_N)
-        s = tl.where(_window_visible(t, low, doc_q, u, doc_k, T), s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N)
+        vis = ((u[None, :] >= low[:, None]) & (u[None, :] <= t[:, None]) & u_ok[None, :]
+               & (doc_k[None, :] == doc_q[:, None]))  # window (t − W, t], replay start, same document
+        s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(DT), k, FP32) + acc * alpha[:, None]
+        acc = tl.dot(p.to(DT), k, input_precision=PREC) + acc * alpha[:, None]
         m_i = m_new
     row = b.to(tl.int64) * T * H + g  # (BLOCK_M,) row of (B·T·H)
     if HAS_ENTRIES:  # fold in the entries' normalized partial: weight exp2(lse_e − m)
@@ -178,13 +153,13 @@ def _window_dq_kernel(q_ptr, kv_ptr, doc_ptr, ws_ptr, o_ptr, do_ptr, lse_ptr, de
                       T, H, window, scale, qk_scale,
                       s_qb, s_qt, s_qh, s_kb, s_kt, s_db, s_wb,
                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_WTILES: tl.constexpr,
-                      HAS_WS: tl.constexpr, DT: tl.constexpr, FP32: tl.constexpr):
+                      HAS_WS: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """Δ = rowsum(dO ⊙ O) and dQ (fp32) of BLOCK_M rows from their window keys."""
     b = tl.program_id(1)
     g0 = tl.program_id(0) * BLOCK_M
     g = g0 + tl.arange(0, BLOCK_M)
     row_ok = g < T * H
-    t, h = _rows(g, T, H)
+    t, h = g // H, g % H  # row g = t·H + h
     d = tl.arange(0, D)
     row = b.to(tl.int64) * T * H + g
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + (t.to(tl.int64) * s_qt + h * s_qh)[:, None] + d[None, :],
@@ -195,7 +170,10 @@ def _window_dq_kernel(q_ptr, kv_ptr, doc_ptr, ws_ptr, o_ptr, do_ptr, lse_ptr, de
     tl.store(delta_ptr + row, delta, mask=row_ok)
     do = do.to(DT)
     lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
-    doc_q, low = _query_rows(doc_ptr, ws_ptr, b, t, row_ok, T, window, s_db, s_wb, HAS_WS)
+    doc_q = tl.load(doc_ptr + b * s_db + t, mask=row_ok, other=-2)
+    low = t - window + 1  # the window's lowest key, or the replay start
+    if HAS_WS:
+        low = tl.maximum(low, tl.load(ws_ptr + b * s_wb + t, mask=row_ok, other=0))
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     kv_b = kv_ptr + b.to(tl.int64) * s_kb
     u0 = tl.maximum(g0 // H - window + 1, 0)
@@ -204,12 +182,14 @@ def _window_dq_kernel(q_ptr, kv_ptr, doc_ptr, ws_ptr, o_ptr, do_ptr, lse_ptr, de
         u_ok = u < T
         k = tl.load(kv_b + u.to(tl.int64)[:, None] * s_kt + d[None, :], mask=u_ok[:, None], other=0.0).to(DT)
         doc_k = tl.load(doc_ptr + b * s_db + u, mask=u_ok, other=-3)
-        s = _dot(q, tl.trans(k), FP32) * qk_scale
-        s = tl.where(_window_visible(t, low, doc_q, u, doc_k, T) & row_ok[:, None], s, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        vis = ((u[None, :] >= low[:, None]) & (u[None, :] <= t[:, None]) & u_ok[None, :] & row_ok[:, None]
+               & (doc_k[None, :] == doc_q[:, None]))
+        s = tl.where(vis, s, float("-inf"))
         p = tl.exp2(s - lse[:, None])
-        dp = _dot(do, tl.trans(k), FP32)  # V = K
+        dp = tl.dot(do, tl.trans(k), input_precision=PREC)  # V = K
         ds = p * (dp - delta[:, None]) * scale
-        dq = _dot(ds.to(DT), k, FP32) + dq
+        dq = tl.dot(ds.to(DT), k, input_precision=PREC) + dq
     tl.store(dq_ptr + row[:, None] * D + d[None, :], dq, mask=row_ok[:, None])
 
 
@@ -218,7 +198,7 @@ def _entry_bwd_kernel(q_ptr, pool_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
                       T, H, K, scale, qk_scale,
                       s_qb, s_qt, s_qh, s_pb, s_pn, s_ib, s_it, s_dpb,
                       D: tl.constexpr, HP: tl.constexpr, BLOCK_E: tl.constexpr, N_ETILES: tl.constexpr,
-                      DT: tl.constexpr, FP32: tl.constexpr):
+                      DT: tl.constexpr, PREC: tl.constexpr):
     """One query: dQ of its entries (added to the window's dQ) and its entries' row gradients (atomics)."""
     bt = tl.program_id(0)
     b, t = bt // T, bt % T
@@ -241,13 +221,14 @@ def _entry_bwd_kernel(q_ptr, pool_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         ok = idx >= 0
         idx = tl.where(ok, idx, 0)
         k = tl.load(pool_b + idx[:, None] * s_pn + d[None, :], mask=ok[:, None], other=0.0).to(DT)
-        s = _dot(q, tl.trans(k), FP32) * qk_scale  # (HP, BLOCK_E)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (HP, BLOCK_E)
         p = tl.exp2(tl.where(h_ok[:, None] & ok[None, :], s, float("-inf")) - lse[:, None])
-        dp = _dot(do, tl.trans(k), FP32)
+        dp = tl.dot(do, tl.trans(k), input_precision=PREC)
         ds = p * (dp - delta[:, None]) * scale
-        dq = _dot(ds.to(DT), k, FP32) + dq
+        dq = tl.dot(ds.to(DT), k, input_precision=PREC) + dq
         # K = V: the row's gradient is dSᵀ·Q (as a key) + Pᵀ·dO (as a value), summed over the heads
-        dk = _dot(tl.trans(ds).to(DT), q, FP32) + _dot(tl.trans(p).to(DT), do, FP32)  # (BLOCK_E, D)
+        dk = (tl.dot(tl.trans(ds).to(DT), q, input_precision=PREC)
+              + tl.dot(tl.trans(p).to(DT), do, input_precision=PREC))  # (BLOCK_E, D)
         tl.atomic_add(dpool_b + idx[:, None] * D + d[None, :], dk, mask=ok[:, None])
     dq_rows = dq_ptr + row[:, None] * D + d[None, :]
     tl.store(dq_rows, dq + tl.load(dq_rows, mask=h_ok[:, None], other=0.0), mask=h_ok[:, None])
@@ -258,7 +239,7 @@ def _window_dkv_kernel(q_ptr, kv_ptr, doc_ptr, ws_ptr, do_ptr, lse_ptr, delta_pt
                        T, H, window, scale, qk_scale,
                        s_qb, s_qt, s_qh, s_kb, s_kt, s_db, s_wb,
                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_QTILES: tl.constexpr,
-                       HAS_WS: tl.constexpr, DT: tl.constexpr, FP32: tl.constexpr):
+                       HAS_WS: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """dK + dV (fp32) of BLOCK_N window keys from the rows of the queries whose windows hold them."""
     b = tl.program_id(1)
     u = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -272,21 +253,24 @@ def _window_dkv_kernel(q_ptr, kv_ptr, doc_ptr, ws_ptr, do_ptr, lse_ptr, delta_pt
     for j in range(N_QTILES):
         g = g_start + j * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = g < T * H
-        t, h = _rows(g, T, H)
+        t, h = g // H, g % H  # row g = t·H + h
         row = b.to(tl.int64) * T * H + g
         q = tl.load(q_ptr + b.to(tl.int64) * s_qb + (t.to(tl.int64) * s_qt + h * s_qh)[:, None] + d[None, :],
                     mask=row_ok[:, None], other=0.0).to(DT)  # (BLOCK_M, D)
         do = tl.load(do_ptr + row[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0).to(DT)
         lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
         delta = tl.load(delta_ptr + row, mask=row_ok, other=0.0)
-        doc_q, low = _query_rows(doc_ptr, ws_ptr, b, t, row_ok, T, window, s_db, s_wb, HAS_WS)
+        doc_q = tl.load(doc_ptr + b * s_db + t, mask=row_ok, other=-2)
+        low = t - window + 1
+        if HAS_WS:
+            low = tl.maximum(low, tl.load(ws_ptr + b * s_wb + t, mask=row_ok, other=0))
         vis = ((u[:, None] >= low[None, :]) & (u[:, None] <= t[None, :]) & u_ok[:, None] & row_ok[None, :]
                & (doc_k[:, None] == doc_q[None, :]))  # (BLOCK_N, BLOCK_M): the transposed window mask
-        s = _dot(k, tl.trans(q), FP32) * qk_scale  # Sᵀ
+        s = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # Sᵀ
         p = tl.exp2(tl.where(vis, s, float("-inf")) - lse[None, :])
-        dp = _dot(k, tl.trans(do), FP32)
+        dp = tl.dot(k, tl.trans(do), input_precision=PREC)
         ds = p * (dp - delta[None, :]) * scale
-        acc = _dot(ds.to(DT), q, FP32) + _dot(p.to(DT), do, FP32) + acc
+        acc = tl.dot(ds.to(DT), q, input_precision=PREC) + tl.dot(p.to(DT), do, input_precision=PREC) + acc
     tl.store(dkv_ptr + (b.to(tl.int64) * T + u.to(tl.int64))[:, None] * D + d[None, :], acc, mask=u_ok[:, None])
 
 
@@ -295,6 +279,19 @@ def _window_dkv_kernel(q_ptr, kv_ptr, doc_ptr, ws_ptr, do_ptr, lse_ptr, delta_pt
 
 
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _dot_types(q: Tensor) -> tuple[tl.dtype, str]:
+    """Dot operand dtype and precision: IEEE fp32 for fp32 inputs and in the interpreter (whose bf16
+    dot is wrong), else the inputs' 16-bit type on the tensor cores (fp32 accumulation)."""
+    if interpreting() or q.dtype == torch.float32:
+        return tl.float32, "ieee"
+    return _DTYPES[q.dtype], "tf32"  # the precision flag only applies to fp32 operands
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Outputs and scratch (a function so that tests can poison them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -312,8 +309,8 @@ def supported(q: Tensor, window_kv: Tensor, entries: Tensor | None) -> bool:
 def _config(H: int, T: int, window: int, K: int, block_m: int | None, block_n: int | None,
             block_e: int | None) -> dict:
     interp = interpreting()
-    block_m = block_m or (16 if interp else 64)
-    block_n = block_n or (16 if interp else 64)
+    block_m = block_m or (32 if interp else 64)
+    block_n = block_n or (32 if interp else 64)
     block_e = block_e or (16 if interp else 32)
     span = min(window, T)  # keys (t − W, t] of the tile's queries, clipped at the sequence start
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_E=block_e, HP=max(16, triton.next_power_of_2(H)),
@@ -331,25 +328,25 @@ def _forward(q, kv, doc, ws, sink, pool, idx, scale, window, want_logits, cfg, n
     B, T, H, D = q.shape
     dev = q.device
     K = idx.size(-1) if pool is not None else 0
-    dt, fp32 = (tl.float32, True) if interpreting() or q.dtype == torch.float32 else (_DTYPES[q.dtype], False)
-    o = torch.empty(B, T, H, D, dtype=q.dtype, device=dev)
-    lse = torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    logits = torch.empty(B, T, H, K, dtype=torch.float32, device=dev) if want_logits and K else None
+    dt, prec = _dot_types(q)
+    o = _empty((B, T, H, D), q.dtype, dev)
+    lse = _empty((B, T, H), torch.float32, dev)
+    logits = _empty((B, T, H, K), torch.float32, dev) if want_logits and K else None
     oe = lse_e = None
     if K:
-        oe = torch.empty(B, T, H, D, dtype=torch.float32, device=dev)
-        lse_e = torch.empty(B, T, H, dtype=torch.float32, device=dev)
+        oe = _empty((B, T, H, D), torch.float32, dev)
+        lse_e = _empty((B, T, H), torch.float32, dev)
         _entry_fwd_kernel[(B * T,)](
             q, pool, idx, oe, lse_e, logits if logits is not None else lse_e,
             T, H, K, float(scale), float(scale) * LOG2E,
             q.stride(0), q.stride(1), q.stride(2), pool.stride(0), pool.stride(1), idx.stride(0), idx.stride(1),
             D=D, HP=cfg["HP"], BLOCK_E=cfg["BLOCK_E"], N_ETILES=cfg["N_ETILES"], STORE_LOGITS=logits is not None,
-            DT=dt, FP32=fp32, num_warps=4)
+            DT=dt, PREC=prec, num_warps=4)
     _window_fwd_kernel[(triton.cdiv(T * H, cfg["BLOCK_M"]), B)](
         q, kv, doc, ws if ws is not None else doc, sink, oe if K else o, lse_e if K else lse, o, lse,
         T, H, int(window), float(scale) * LOG2E, *_strides(q, kv, doc, ws),
         D=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], N_WTILES=cfg["N_WTILES"], HAS_WS=ws is not None,
-        HAS_ENTRIES=bool(K), DT=dt, FP32=fp32, num_warps=num_warps)
+        HAS_ENTRIES=bool(K), DT=dt, PREC=prec, num_warps=num_warps)
     return o, lse, logits
 
 
@@ -357,29 +354,29 @@ def _backward(q, kv, doc, ws, sink, pool, idx, o, lse, do, scale, window, cfg, n
     B, T, H, D = q.shape
     dev = q.device
     K = idx.size(-1) if pool is not None else 0
-    dt, fp32 = (tl.float32, True) if interpreting() or q.dtype == torch.float32 else (_DTYPES[q.dtype], False)
+    dt, prec = _dot_types(q)
     do = do.contiguous()
-    delta = torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    dq = torch.empty(B, T, H, D, dtype=torch.float32, device=dev)
-    dkv = torch.empty(B, T, D, dtype=torch.float32, device=dev)
+    delta = _empty((B, T, H), torch.float32, dev)
+    dq = _empty((B, T, H, D), torch.float32, dev)
+    dkv = _empty((B, T, D), torch.float32, dev)
     strides = _strides(q, kv, doc, ws)
     ws_arg = ws if ws is not None else doc
     _window_dq_kernel[(triton.cdiv(T * H, cfg["BLOCK_M"]), B)](
         q, kv, doc, ws_arg, o, do, lse, delta, dq, T, H, int(window), float(scale), float(scale) * LOG2E, *strides,
         D=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], N_WTILES=cfg["N_WTILES"], HAS_WS=ws is not None,
-        DT=dt, FP32=fp32, num_warps=num_warps)
+        DT=dt, PREC=prec, num_warps=num_warps)
     dpool = None
     if K:
-        dpool = torch.zeros(pool.shape, dtype=torch.float32, device=dev)
+        dpool = torch.zeros(pool.shape, dtype=torch.float32, device=dev)  # atomics add into it
         _entry_bwd_kernel[(B * T,)](
             q, pool, idx, do, lse, delta, dq, dpool, T, H, K, float(scale), float(scale) * LOG2E,
             q.stride(0), q.stride(1), q.stride(2), pool.stride(0), pool.stride(1), idx.stride(0), idx.stride(1),
             dpool.stride(0), D=D, HP=cfg["HP"], BLOCK_E=cfg["BLOCK_E"], N_ETILES=cfg["N_ETILES"],
-            DT=dt, FP32=fp32, num_warps=4)
+            DT=dt, PREC=prec, num_warps=4)
     _window_dkv_kernel[(triton.cdiv(T, cfg["BLOCK_N"]), B)](
         q, kv, doc, ws_arg, do, lse, delta, dkv, T, H, int(window), float(scale), float(scale) * LOG2E, *strides,
         D=D, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], N_QTILES=cfg["N_QTILES"], HAS_WS=ws is not None,
-        DT=dt, FP32=fp32, num_warps=num_warps)
+        DT=dt, PREC=prec, num_warps=num_warps)
     # the sink only adds to the denominator: ∂L/∂sink_h = −Σ_t P(sink)·Δ
     dsink = -(torch.exp2(sink.float() * LOG2E - lse) * delta).sum((0, 1))
     return dq.to(q.dtype), dkv.to(kv.dtype), (dpool.to(pool.dtype) if dpool is not None else None), dsink.to(sink.dtype)
