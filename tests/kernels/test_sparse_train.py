@@ -174,6 +174,8 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="window_kv"):
         sparse_train.sparse_train_attention(c["q"], c["kv"][:, :5], c["doc"], None, 4, None, None, c["sink"], 0.3)
     with pytest.raises(ValueError, match="one dtype"):
+        run_kernel({**c, "pool": c["pool"].bfloat16()})
+    with pytest.raises(ValueError, match="unsupported"):
         run_kernel({**c, "pool": c["pool"].double()})
 
 

@@ -300,10 +300,11 @@ def _check(cond: bool, msg: str) -> None:
 
 
 def supported(q: Tensor, window_kv: Tensor, entries: Tensor | None) -> bool:
-    """Shapes and dtypes the kernels take (see the module docstring's limits)."""
+    """Shapes and dtypes the kernels take (see the module docstring's limits; the caller casts the three
+    to one dtype)."""
     D, H = q.size(-1), q.size(-2)
-    same = all(t is None or t.dtype == q.dtype for t in (window_kv, entries))
-    return q.dim() == 4 and q.dtype in _DTYPES and same and 16 <= D <= 256 and D & (D - 1) == 0 and 1 <= H <= 64
+    floats = all(t is None or t.dtype in _DTYPES for t in (q, window_kv, entries))
+    return q.dim() == 4 and floats and 16 <= D <= 256 and D & (D - 1) == 0 and 1 <= H <= 64
 
 
 def _config(H: int, T: int, window: int, K: int, block_m: int | None, block_n: int | None,
@@ -412,7 +413,10 @@ def sparse_train_attention(q: Tensor, window_kv: Tensor, doc_ids: Tensor, window
     _check(runnable(q), "tensors must be on CUDA (or TRITON_INTERPRET=1)")
     _check(supported(q, window_kv, entries), f"unsupported shape or dtype: q {tuple(q.shape)} {q.dtype}, window "
            f"{window_kv.dtype}, entries {None if entries is None else entries.dtype} (D a power of two in "
-           "[16, 256], H ≤ 64, one dtype)")
+           "[16, 256], H ≤ 64, fp32 / bf16 / fp16)")
+    _check(all(t is None or t.dtype == q.dtype for t in (window_kv, entries)),
+           f"q, window_kv and entries must have one dtype, got {q.dtype}, {window_kv.dtype}, "
+           f"{None if entries is None else entries.dtype}")
     _check(window_kv.shape == (B, T, D), f"window_kv must be {(B, T, D)}, got {tuple(window_kv.shape)}")
     _check(doc_ids.shape == (B, T) and not doc_ids.is_floating_point(), f"doc_ids must be ({B}, {T}) integer")
     _check(window_start is None or window_start.shape == (B, T), f"window_start must be ({B}, {T})")
