@@ -283,3 +283,42 @@ def swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None = None,
     Equals `model.moe._swiglu(...).to(out_dtype)` to fp32 rounding. One kernel on CUDA."""
     fn = _impl("swiglu", "swiglu", gate, up, weight, supported=gate.dtype in _MHC_FLOATS | {torch.float16})
     return fn(gate, up, limit, weight, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse training attention (issue 18): forward and backward, autograd-capable
+
+
+def sparse_train_kernel(q: Tensor, window_kv: Tensor, entries: Tensor | None) -> bool:
+    """Should the training attention run the Triton kernel on these tensors? Backend ``triton``: yes
+    (the interpreter on CPU tensors); ``torch`` or under ``torch.compile``: no (the twin,
+    `model.sparse_attention.attend_sparse`); ``auto``: when Triton is installed, q is on CUDA and the
+    kernel takes the shapes. Unlike the inference ops, ``auto`` picks it with gradients too: it has
+    its own backward."""
+    if torch.compiler.is_compiling():
+        return False
+    choice = _backend.get()
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        if not HAVE_TRITON:
+            raise RuntimeError("kernel backend 'triton' was forced but Triton is not installed")
+        return True
+    if not HAVE_TRITON or not q.is_cuda:
+        return False
+    return importlib.import_module("dsv41.kernels.triton.sparse_train").supported(q, window_kv, entries)
+
+
+def sparse_train_attention(q: Tensor, window_kv: Tensor, doc_ids: Tensor, window_start: Tensor | None, window: int,
+                           entries: Tensor | None, index: Tensor | None, sink: Tensor, scale: float, *,
+                           entry_logits: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One softmax per query and head over its window keys ∪ its selected entries ∪ the sink (the
+    training path's `attend_sparse` without gathering), with autograd for q, window_kv, entries, sink.
+
+    q (B, T, H, D); window_kv (B, T, D): key u is in query t's window iff t − window < u ≤ t,
+    doc_ids[u] = doc_ids[t] and u ≥ window_start[t] (None: no replay start); entries (B, N, D) read
+    at index (B, T, K) (−1 = not attended). K = V. Returns (o (B, T, H, D) in q's dtype, the
+    log-sum-exp (B, T, H) fp32 with the sink, and with `entry_logits` the entries' scaled logits
+    (B, T, H, K) fp32, detached — the indexer KL's target). Triton only; see `sparse_train_kernel`."""
+    fn = importlib.import_module("dsv41.kernels.triton.sparse_train").sparse_train_attention
+    return fn(q, window_kv, doc_ids, window_start, window, entries, index, sink, scale, entry_logits=entry_logits)

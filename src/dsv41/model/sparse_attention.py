@@ -11,18 +11,25 @@ the latent — with memory O(T·(W + K)·D) instead of O(T·(T + N)):
   * indexer KL over the top-k set (`indexer_kl_set = "topk"`): the target is the main attention
     logits of the gathered entries (detached), the prediction the index scores recomputed with
     autograd for the selected entries only.
-Forward and backward are plain autograd. The selection (top-k, candidate blocks) is the dense
-path's own functions applied per chunk, so both paths pick the same entries.
+The selection (top-k, candidate blocks) is the dense path's own functions applied per chunk, so
+both paths pick the same entries. The attention itself (`attend_topk`) runs the fused Triton kernel
+of `kernels/triton/sparse_train.py` on CUDA — window keys read from (B, T, D), entries by index from
+(B, N, D), O and the log-sum-exp saved, P recomputed in its backward, the KL's entry logits written
+by its forward — and `attend_sparse` here (plain autograd over the band and the gathered rows) as
+its twin: on the CPU, under `torch.compile`, and with `ops.use_backend("torch")`.
 
 `attention_forward(attn, x, ctx)` replaces `attn(x, ctx)` when `ctx.attention == "sparse"`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dsv41.kernels import ops
 from dsv41.model.attention import (
     Attention,
     Indexer,
@@ -175,24 +182,55 @@ def selected_index_scores(iq: Tensor, weights: Tensor, index_k: Tensor, topk: Te
     return (per_head * weights.unsqueeze(-1)).sum(2)
 
 
+def attend_topk(q: Tensor, window_kv: Tensor, ctx: ForwardContext, window: int, pool: Tensor | None,
+                topk: Tensor | None, valid: Tensor | None, sink: Tensor, scale: float, *, entry_logits: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
+    """The layer's attention: window band ∪ entries `pool` (B, N, D) picked by topk (B, T, K) where
+    `valid`. The fused Triton kernel when `ops.sparse_train_kernel` says so (CUDA; backend switch
+    `ops.use_backend("torch")` forces this twin), else `attend_sparse` on the band and the gathered rows.
+    Returns (o (B, T, H, D), the entries' detached logits (B, T, H, K) fp32 when `entry_logits`)."""
+    if pool is not None and topk is not None and ops.sparse_train_kernel(q, window_kv, pool):
+        dt = torch.promote_types(torch.promote_types(q.dtype, window_kv.dtype), pool.dtype)
+        index = torch.where(valid, topk, -1)  # (B, T, K) −1 = not attended
+        o, _, logits = ops.sparse_train_attention(q.to(dt), window_kv.to(dt), ctx.doc_ids, ctx.window_start,
+                                                  window, pool.to(dt), index, sink, scale, entry_logits=entry_logits)
+        return o.to(q.dtype), logits
+    if pool is None and ops.sparse_train_kernel(q, window_kv, None):
+        dt = torch.promote_types(q.dtype, window_kv.dtype)
+        o, _, _ = ops.sparse_train_attention(q.to(dt), window_kv.to(dt), ctx.doc_ids, ctx.window_start, window,
+                                             None, None, sink, scale)
+        return o.to(q.dtype), None
+    key = ("band", window)
+    if key not in ctx._cache:
+        ctx._cache[key] = window_band(ctx.doc_ids, ctx.window_start, window)
+    entries = gather_rows(pool, topk) if pool is not None else None  # (B, T, K, D)
+    o = attend_sparse(q, window_kv, ctx._cache[key], window, entries, valid, sink, scale)
+    logits = None
+    if entry_logits and entries is not None:
+        logits = torch.einsum("bthd,btkd->bthk", q.detach().float(), entries.detach().float()) * scale
+    return o, logits
+
+
 def attention_forward(attn: Attention, x: Tensor, ctx: ForwardContext) -> Tensor:
     """`Attention.forward` on the sparse path: same parameters, sharing and outputs."""
     cos, sin = attn.angles(ctx.positions)
     qr, q = attn.query(x, cos, sin)
     window_kv = attn.window_kv(x, cos, sin)
-    key = ("band", attn.window)
-    if key not in ctx._cache:
-        ctx._cache[key] = window_band(ctx.doc_ids, ctx.window_start, attn.window)
-    entries = valid = None
+    pool = topk = valid = kl = None
     if attn.ratio:
-        entries, valid = _compressed(attn, x, qr, q, ctx)
-    o = attend_sparse(q, window_kv, ctx._cache[key], attn.window, entries, valid, attn.attn_sink, attn.scale)
+        pool, topk, valid, kl = _compressed(attn, x, qr, ctx)
+    o, logits = attend_topk(q, window_kv, ctx, attn.window, pool, topk, valid, attn.attn_sink, attn.scale,
+                            entry_logits=kl is not None)
+    if kl is not None:
+        ctx.indexer_losses.append(kl(logits))
     return attn.output(o, cos, sin)
 
 
-def _compressed(attn: Attention, x: Tensor, qr: Tensor, q: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
-    """The CSA2 sharing of `Attention._compressed` with chunked selection; returns the gathered
-    entries (B, T, K, D) and their validity (B, T, K)."""
+def _compressed(attn: Attention, x: Tensor, qr: Tensor, ctx: ForwardContext
+                ) -> tuple[Tensor, Tensor, Tensor, Callable[[Tensor], Tensor] | None]:
+    """The CSA2 sharing of `Attention._compressed` with chunked selection; returns the entry pool
+    (B, N, D), the top-k (B, T, K), its validity (B, T, K) and — when this layer trains its indexer —
+    the KL as a function of the selected entries' main-attention logits (made by the attention)."""
     shared, mode, plan = ctx.shared, attn.plan.mode, attn.plan
     if mode == FULL:
         slots = ctx.slots(attn.ratio)
@@ -219,17 +257,19 @@ def _compressed(attn: Attention, x: Tensor, qr: Tensor, q: Tensor, ctx: ForwardC
             shared.candidate_blocks, shared.candidate_source = kept, attn.layer_id
         shared.topk_source = attn.layer_id
     valid = entry_validity(slots, shared.topk, ctx.doc_ids)
-    entries = gather_rows(shared.kv, shared.topk)  # (B, T, K, D)
+    kl = None
     if mode in (FULL, REINDEX) and ctx.training_losses:
         if attn.kl_set != "topk":
             raise ValueError("the sparse attention path computes the indexer KL over the top-k set only "
                              "(indexer_kl_set='topk'); use attention='dense' for 'allowed'")
-        entry_logits = torch.einsum("bthd,btkd->bthk", q.detach().float(), entries.detach().float()) * attn.scale
         selected = selected_index_scores(iq, weights, shared.index_k, shared.topk)
-        ctx.indexer_losses.append(indexer_kl_topk(entry_logits, valid, selected))
+
+        def kl(entry_logits: Tensor) -> Tensor:
+            return indexer_kl_topk(entry_logits, valid, selected)
+
     if ctx.trace is not None:
         ctx.trace.append(dict(layer=attn.layer_id, mode=mode, kv_source=shared.kv_source, kv=shared.kv,
                               topk_source=shared.topk_source, topk=shared.topk, allowed=None,
                               candidates=shared.candidate_blocks if mode == REINDEX else None,
                               reused=mode == REUSE))
-    return entries, valid
+    return shared.kv, shared.topk, valid, kl
