@@ -104,3 +104,38 @@ def test_anchors_are_distinct_valid_sorted_and_uniform():
     chi2 = (((counts[valid] - expected) ** 2) / expected).sum().item()
     dof = int(valid.sum()) - 1
     assert chi2 < dof + 6 * math.sqrt(2 * dof), f"chi2 {chi2:.1f} for {dof} dof"  # far from uniform fails
+
+
+def test_the_markov_head_is_teacher_forced_with_the_token_before_each_position(monkeypatch):
+    """Block position k's Markov input is the true token before it: the anchor's token at k = 0, then the
+    label of position k − 1 (never position k's own label, which would leak the answer)."""
+    from dsv41.config import load_config, with_dspark
+    from dsv41.model.dspark import DSpark
+    from dsv41.model.transformer import Transformer
+    from dsv41.train.dspark import drafter_losses
+
+    c = with_dspark(load_config("tiny"))
+    main = Transformer(c).init_weights(seed=0)
+    drafter = DSpark(c).init_weights(seed=1).bind(main)
+    g = torch.Generator().manual_seed(5)
+    B, T = 2, 48
+    seq = torch.randint(20, c.vocab_size, (B, T + 1), generator=g)
+    batch = {"tokens": seq[:, :-1], "targets": seq[:, 1:], "doc_ids": torch.ones(B, T, dtype=torch.long),
+             "loss_mask": torch.ones(B, T, dtype=torch.bool)}
+    seen = {}
+    original = DSpark.head_outputs
+
+    def spy(self, hidden, prev):
+        seen["prev"] = prev.clone()
+        return original(self, hidden, prev)
+
+    monkeypatch.setattr(DSpark, "head_outputs", spy)
+    drafter_losses(drafter, batch, n_anchors=4, weights=LossWeights(), generator=torch.Generator().manual_seed(0))
+    prev = seen["prev"]  # (B, A, K)
+    anchors, keep = sample_anchors(batch["loss_mask"], 4, torch.Generator().manual_seed(0))
+    labels, _, _ = block_targets(batch["targets"], batch["loss_mask"], anchors, keep, drafter.block_size)
+    for b in range(B):
+        for j in range(anchors.size(1)):
+            a = int(anchors[b, j])
+            assert prev[b, j, 0] == batch["tokens"][b, a], (b, j)
+            assert torch.equal(prev[b, j, 1:], labels[b, j, :-1]), (b, j, prev[b, j], labels[b, j])
