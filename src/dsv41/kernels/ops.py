@@ -68,7 +68,8 @@ def backend() -> str:
     return _backend.get()
 
 
-def _use_triton(*tensors: Tensor | None) -> bool:
+def _forced() -> bool | None:
+    """True / False when the backend is forced to Triton / torch, None for ``auto``."""
     choice = _backend.get()
     if choice == "torch":
         return False
@@ -76,6 +77,13 @@ def _use_triton(*tensors: Tensor | None) -> bool:
         if not HAVE_TRITON:
             raise RuntimeError("kernel backend 'triton' was forced but Triton is not installed")
         return True
+    return None
+
+
+def _use_triton(*tensors: Tensor | None) -> bool:
+    forced = _forced()
+    if forced is not None:
+        return forced
     present = [t for t in tensors if t is not None]
     if not HAVE_TRITON or not present or not all(t.is_cuda for t in present):
         return False
@@ -297,13 +305,9 @@ def sparse_train_kernel(q: Tensor, window_kv: Tensor, entries: Tensor | None) ->
     its own backward."""
     if torch.compiler.is_compiling():
         return False
-    choice = _backend.get()
-    if choice == "torch":
-        return False
-    if choice == "triton":
-        if not HAVE_TRITON:
-            raise RuntimeError("kernel backend 'triton' was forced but Triton is not installed")
-        return True
+    forced = _forced()
+    if forced is not None:
+        return forced
     if not HAVE_TRITON or not q.is_cuda:
         return False
     return importlib.import_module("dsv41.kernels.triton.sparse_train").supported(q, window_kv, entries)
