@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the H200 box (python3 with torch + triton + transformers, no install needed), one call:
 #   bash scripts/gpu_engine.sh [OUT_DIR] [PARTS]     PARTS: any of tests,peer,load (default all three;
-#                                                   a device call of 10 minutes fits tests,peer or load)
+#                                                   a device call of 10 minutes fits tests,peer or tests,load)
 # The engine's GPU checks, then the engine benchmarks of issue 15: the GPU tests of the engine and of the
 # kernels it added (graph replay = eager, no host sync in the decode step, dense MoE in a graph, RoPE /
 # RoPE + FP4 / RMSNorm / SwiGLU kernels = twins), then benchmarks/peer_decode.py (decode grid vs the
@@ -32,7 +32,8 @@ timeout 330 python3 benchmarks/peer_decode.py --batches 64 1 16 --contexts 32768
 tail -25 "$out/peer.log"
 fi
 if [[ $parts == *load* ]]; then
-timeout 240 python3 benchmarks/decode_load.py --budgets 256 1024 --out "$out" >"$out/load.log" 2>&1
-tail -5 "$out/load.log"
+# layer-sliced prefill (Engine(prefill_layers=)): 1, 2 and 4 layer passes per step beside the streams
+timeout 420 python3 benchmarks/decode_load.py --budgets 256 1024 --layers 1 2 4 --out "$out" >"$out/load.log" 2>&1
+tail -8 "$out/load.log"
 fi
 exit $status
