@@ -8,6 +8,7 @@
 #   bash scripts/gpu_posttrain_dspark.sh watch   # follow the logs for up to WATCH_S seconds (default 560)
 #
 # runs/ctl.env, when present, is sourced before each later stage (change step counts of a running session).
+# DSPARK_BUDGET_S=0 skips the drafter's training and the speculative benchmark (post-training only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -26,15 +27,20 @@ pipeline() {
     ctl; python -m dsv41 rl --checkpoint runs/post/sft --device cuda --eval-problems 64 --max-tokens 96 --digits 2,4 \
       --prompts-per-step 8 --max-in-flight 96 --max-staleness 4 --max-offpolicy 0.8 --steps "$RL_STEPS" --lr "${RL_LR:-3e-5}" --dispatch batch --out runs/post/rl_sync
   ) > "$LOG/p4.log" 2>&1 &  # the synchronous baseline's accuracy at equal steps (issue 21, acceptance 3)
-  ( OUT=runs/dspark RESULTS=runs/results BUDGET_S=${DSPARK_BUDGET_S:-300} bash scripts/train_dspark_small.sh \
-      && touch "$LOG/p3.done" ) > "$LOG/p3.log" 2>&1 &
+  if [ "${DSPARK_BUDGET_S:-300}" != 0 ]; then  # DSPARK_BUDGET_S=0: post-training only
+    ( OUT=runs/dspark RESULTS=runs/results BUDGET_S=${DSPARK_BUDGET_S:-300} bash scripts/train_dspark_small.sh \
+        && touch "$LOG/p3.done" ) > "$LOG/p3.log" 2>&1 &
+  fi
   wait
   bash scripts/posttrain_small.sh report > "$LOG/report.log" 2>&1
   touch "$LOG/phase1.done"
   # timed, one at a time
-  mkdir -p runs/ckpt_spec && ln -sf "$PWD"/models/dsv41-small/* runs/ckpt_spec/ && ln -sfn "$PWD/runs/dspark" runs/ckpt_spec/dspark
-  ( ctl; python benchmarks/speculative.py --drafter dspark --checkpoint runs/ckpt_spec --text data/sample \
-      --out runs/results ) > "$LOG/speculative.log" 2>&1
+  if [ -f "$LOG/p3.done" ]; then
+    mkdir -p runs/ckpt_spec && ln -sf "$PWD"/models/dsv41-small/* runs/ckpt_spec/ \
+      && ln -sfn "$PWD/runs/dspark" runs/ckpt_spec/dspark
+    ( ctl; python benchmarks/speculative.py --drafter dspark --checkpoint runs/ckpt_spec --text data/sample \
+        --out runs/results ) > "$LOG/speculative.log" 2>&1
+  fi
   ( ctl; python benchmarks/rollouts.py --out runs/results ) > "$LOG/rollouts.log" 2>&1
   python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_speculative_gpu.py \
     tests/posttrain/test_rollout_gpu.py -s > "$LOG/gputests.log" 2>&1
