@@ -262,3 +262,32 @@ def test_sparse_memory_is_linear_in_T_and_dense_is_not():
     d1, d2 = _largest(c, 128, "dense"), _largest(c, 256, "dense")
     print(f"dense largest tensor: T=128 {d1:,}, T=256 {d2:,} (ratio {d2 / d1:.2f})")
     assert d2 >= 3.5 * d1
+
+
+def test_selected_index_scores_custom_backward_equals_autograd_and_saves_no_gathered_keys():
+    """The indexer KL's prediction side: the custom backward (keys gathered again, their gradient scattered
+    back) gives the plain autograd form's output and gradients, and keeps no (B, T, K, Di) tensor."""
+    from dsv41.model.sparse_attention import selected_index_scores, selected_index_scores_reference
+
+    g = torch.Generator().manual_seed(3)
+    B, T, N, Hi, Di, K = 2, 24, 10, 3, 16, 5
+    iq = torch.randn(B, T, Hi, Di, generator=g).requires_grad_()
+    weights = torch.randn(B, T, Hi, generator=g).requires_grad_()
+    index_k = torch.randn(B, N, Di, generator=g).requires_grad_()
+    topk = torch.randint(-1, N, (B, T, K), generator=g)  # −1 = no entry (reads row 0, as the gather does)
+    upstream = torch.randn(B, T, K, generator=g)
+    results = []
+    for fn in (selected_index_scores, selected_index_scores_reference):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel()), t)[1], lambda t: t):
+            out = fn(iq, weights, index_k, topk)
+        grads = torch.autograd.grad((out * upstream).sum(), (iq, weights, index_k))
+        results.append((out, grads, max(saved)))
+    (out, grads, biggest), (ref, ref_grads, ref_biggest) = results
+    scale = ref.abs().max()
+    assert (out - ref).abs().max() <= 1e-6 * scale, (out - ref).abs().max()
+    for name, a, b in zip(("iq", "weights", "index_k"), grads, ref_grads):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err < 1e-5, f"d{name}: relative error {err:.2e}"
+    gathered = B * T * K * Di
+    assert ref_biggest >= gathered and biggest < gathered, (biggest, ref_biggest, gathered)
