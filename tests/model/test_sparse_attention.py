@@ -279,7 +279,8 @@ def test_selected_index_scores_custom_backward_equals_autograd_and_saves_no_gath
     results = []
     for fn in (selected_index_scores, selected_index_scores_reference):
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t.numel()), t)[1], lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: (saved.append(t.numel()), t)[1],
+                                                      lambda t: t):
             out = fn(iq, weights, index_k, topk)
         grads = torch.autograd.grad((out * upstream).sum(), (iq, weights, index_k))
         results.append((out, grads, max(saved)))

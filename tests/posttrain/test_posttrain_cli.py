@@ -20,3 +20,31 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.strip() and err.strip().count("\n") <= 1 or err.startswith("usage:"), (argv, err)
+
+
+def test_effort_tiers_script_asks_the_server_at_each_tier(tmp_path):
+    """scripts/effort_tiers.py end to end on a tiny random policy: the server answers every problem at the
+    three API tiers (low / high / max = 50 / 75 / 100) and the JSON has each tier's numbers; a missing
+    checkpoint exits 2."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from dsv41.posttrain.common import load_policy, save_policy
+
+    spec = importlib.util.spec_from_file_location("effort_tiers", Path(__file__).parents[2] / "scripts" /
+                                                  "effort_tiers.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model, tok = load_policy(None, "tiny", torch.device("cpu"))
+    save_policy(model, tok, tmp_path / "policy")
+    assert script.main([str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    argv = [str(tmp_path / "policy"), "--device", "cpu", "--problems", "2", "--max-tokens", "4", "--digits", "2",
+            "--out", str(tmp_path / "out")]
+    assert script.main(argv) == 0
+    report = json.loads((tmp_path / "out" / "effort_tiers.json").read_text())
+    assert {name: t["effort"] for name, t in report["tiers"].items()} == {"low": 50, "high": 75, "max": 100}
+    for t in report["tiers"].values():
+        assert t["n"] == 2 and 1 <= t["completion_tokens_mean"] <= 4 and 0.0 <= t["accuracy"] <= 1.0, t
