@@ -270,14 +270,7 @@ class DSpark(nn.Module):
             nn.init.normal_(p, std=std * scale)
         n = self.config.hc_mult
         for stage in self.mtp:
-            for which in ("attn", "ffn"):
-                nn.init.normal_(getattr(stage, f"hc_{which}_fn"), std=1e-3)
-                base = getattr(stage, f"hc_{which}_base")
-                base.zero_()
-                base[:n] = -math.log(n - 1) if n > 1 else 0.0  # pre ≈ 1/n per stream
-                base[2 * n:] = (4.0 * torch.eye(n)).flatten()  # comb ≈ identity after Sinkhorn
-                getattr(stage, f"hc_{which}_scale").fill_(1.0)
-            stage.attn.attn_sink.zero_()
+            stage.init_mixing(n)
             stage.ffn.gate.bias.zero_()
             if stage.ffn.gate.bias_vl is not None:
                 stage.ffn.gate.bias_vl.zero_()

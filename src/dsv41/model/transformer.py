@@ -80,6 +80,19 @@ class Block(nn.Module):
             pre_mix = self.mixes(h, "attn")[0]
         return self.attn_norm(hc_pre(h, pre_mix))
 
+    @torch.no_grad()
+    def init_mixing(self, n: int) -> None:
+        """Training initialization of the block's own small parameters: near-identity mHC mixing (pre ≈ 1/n
+        per stream, comb ≈ identity after Sinkhorn, small dynamic weights) and a zero attention sink."""
+        for which in ("attn", "ffn"):
+            nn.init.normal_(getattr(self, f"hc_{which}_fn"), std=1e-3)
+            base = getattr(self, f"hc_{which}_base")
+            base.zero_()
+            base[:n] = -math.log(n - 1) if n > 1 else 0.0  # pre ≈ 1/n per stream
+            base[2 * n:] = (4.0 * torch.eye(n)).flatten()  # comb ≈ identity after Sinkhorn
+            getattr(self, f"hc_{which}_scale").fill_(1.0)
+        self.attn.attn_sink.zero_()
+
     def forward(self, h: Tensor, pre_mix: Tensor, attention: Callable[[Tensor], Tensor],
                 image_mask: Tensor | None = None, token_mask: Tensor | None = None,
                 entry: tuple[Tensor, Tensor | None] | None = None, next_fn: Tensor | None = None
@@ -248,15 +261,7 @@ class Transformer(nn.Module):
             nn.init.normal_(p, std=std * scale)
         n = c.hc_mult
         for layer in self.layers:
-            for which in ("attn", "ffn"):
-                fn = getattr(layer, f"hc_{which}_fn")
-                nn.init.normal_(fn, std=1e-3)
-                base = getattr(layer, f"hc_{which}_base")
-                base.zero_()
-                base[:n] = -math.log(n - 1) if n > 1 else 0.0  # pre ≈ 1/n per stream
-                base[2 * n:] = (4.0 * torch.eye(n)).flatten()  # comb ≈ identity after Sinkhorn
-                getattr(layer, f"hc_{which}_scale").fill_(1.0)
-            layer.attn.attn_sink.zero_()
+            layer.init_mixing(n)
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
