@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from dsv41.posttrain.common import read_jsonl
+from dsv41.train.plot import save_figure
 
 
 def effort_table(run: Path) -> dict[str, dict[int, dict[str, float]]]:
@@ -49,10 +50,7 @@ def plot(run: Path, out: Path) -> list[Path]:
         axes[0].set(xlabel="reasoning effort b", ylabel="held-out accuracy")
         axes[1].set(xlabel="reasoning effort b", ylabel="mean reasoning tokens")
         axes[0].legend(fontsize=8)
-        fig.tight_layout()
-        written.append(out / "effort.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(save_figure(fig, out / "effort.png", dpi=120))
     records = [r for r in read_jsonl(run / "rl" / "metrics.jsonl") if "reward" in r]
     if records:
         steps = [r["step"] for r in records]
@@ -60,10 +58,7 @@ def plot(run: Path, out: Path) -> list[Path]:
         for ax, key in zip(axes, ("reward", "accuracy", "offpolicy_ratio", "in_flight")):
             ax.plot(steps, [r[key] for r in records])
             ax.set(xlabel="RL step", title=key)
-        fig.tight_layout()
-        written.append(out / "rl_curves.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(save_figure(fig, out / "rl_curves.png", dpi=120))
     return written
 
 

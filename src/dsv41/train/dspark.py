@@ -43,6 +43,7 @@ from dsv41.model.moe import moe_modules, update_moe_biases
 from dsv41.model.state import ForwardContext
 from dsv41.model.transformer import Transformer
 from dsv41.train.cli import as_overrides_parser, dataclass_field_help
+from dsv41.train.plot import save_figure
 
 
 # ---------------------------------------------------------------------- sampling anchors and targets
@@ -513,12 +514,7 @@ def plot_acceptance(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
         ax_e.legend(fontsize=8)
     for ax in (ax_t, ax_e):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    return save_figure(fig, out_png)
 
 
 # ---------------------------------------------------------------------- CLI

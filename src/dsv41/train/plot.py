@@ -10,6 +10,18 @@ import json
 from pathlib import Path
 
 
+def save_figure(fig, out_png: str | Path, dpi: int = 110) -> Path:
+    """tight_layout, create the folder, write the PNG, close the figure (its memory): the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=dpi)
+    plt.close(fig)
+    return out_png
+
+
 def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, title: str | None = None) -> Path:
     import matplotlib
 
@@ -43,9 +55,4 @@ def plot_metrics(metrics_jsonl: str | Path, out_png: str | Path, title: str | No
         if train or evals:
             ax.set_xscale("log")
     fig.suptitle(title or str(Path(metrics_jsonl).parent))
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return out_png
+    return save_figure(fig, out_png, dpi=120)

@@ -47,6 +47,7 @@ from dsv41.model.moe import update_moe_biases
 from dsv41.model.transformer import Transformer
 from dsv41.model.vision import ViT, encode_images
 from dsv41.optim import LRSchedule, build_optimizer
+from dsv41.train.plot import save_figure
 from dsv41.train.tokenizer import ASSISTANT, BOS_ID, DEFAULT_TOKENIZER, END_TURN, EOS_ID, PAD_ID, USER, load_tokenizer
 
 STAGES = ("siglip", "caption", "pretrain")
@@ -648,10 +649,7 @@ def plot_stage(metrics: Path, out_png: Path, stage: str) -> Path:
     for ax in (a, b):
         ax.grid(alpha=0.3)
     fig.suptitle(f"train-vision {stage}")
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    return save_figure(fig, out_png)
 
 
 def run_stage(stage: str, tc: VisionTrainConfig) -> dict[str, float]:
