@@ -21,6 +21,7 @@ import statistics
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -82,19 +83,15 @@ def main(argv: list[str] | None = None) -> int:
             for name, b in TIERS.items():
                 lengths, reasoning, correct = [], [], []
 
-                def ask(p, out, name=name):
+                def ask(p, name=name) -> dict:
                     r = client.post("/chat/completions", json={
                         "model": "dsv41-posttrained", "messages": [{"role": "user", "content": p.question}],
                         "reasoning_effort": name, "temperature": 0.0, "max_tokens": args.max_tokens})
                     r.raise_for_status()
-                    out.append((p, r.json()))
+                    return r.json()
 
-                replies: list = []
-                threads = [threading.Thread(target=ask, args=(p, replies)) for p in problems]  # batched by the engine
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
+                with ThreadPoolExecutor(len(problems)) as pool:  # concurrent: the engine batches them
+                    replies = list(zip(problems, pool.map(ask, problems)))  # a failed request raises here
                 for p, body in replies:
                     msg = body["choices"][0]["message"]
                     lengths.append(body["usage"]["completion_tokens"])
@@ -108,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:>6} (b={b:3d}): completion tokens {tiers[name]['completion_tokens_mean']:.1f}, "
                       f"reasoning tokens {tiers[name]['reasoning_tokens_mean']:.1f}, "
                       f"accuracy {tiers[name]['accuracy']:.3f} (n={len(replies)})")
+    except httpx.HTTPStatusError as err:
+        print(f"effort_tiers: the server answered {err.response.status_code}: {err.response.text}", file=sys.stderr)
+        return 1
     finally:
         server.should_exit = True
         scheduler.stop()

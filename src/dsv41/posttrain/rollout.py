@@ -258,7 +258,7 @@ class RoutingRecorder:
     def _close(self, record) -> None:
         """A host-driven forward ended: its ids to the host in one copy."""
         pending, self._pending = self._pending, []
-        if not pending or record.seqs is None:
+        if not pending:  # the static decode step writes the buffer instead (harvested later)
             return
         ids = torch.stack([t for _, t in pending])  # (L', B, T, k)
         pos = record.positions.detach()
