@@ -162,3 +162,27 @@ def test_block_forward_follows_the_single_pass_schedule(single_pass):
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         assert err <= BLOCK_RTOL, f"{name}: max rel err {err:.2e} (|h| ≤ {scale:.2f})"
     assert mixes_out is None  # no next projection asked for
+
+
+def test_training_init_mixes_near_identity_in_every_block_and_draft_stage():
+    """init_weights (backbone blocks and DSpark stages, one `Block.init_mixing`): with no dynamic signal the
+    split gives pre = 1/n per stream, post = 1 and a comb close to the identity (doubly stochastic, diagonal
+    = the Sinkhorn fixed point of softmax(4·I)); the dynamic weights are small and the sinks zero."""
+    from dsv41.config import with_dspark
+    from dsv41.model.dspark import DSpark
+
+    c = with_dspark(load_config("tiny"))
+    n = c.hc_mult
+    blocks = list(Transformer(c).init_weights(seed=0).layers) + list(DSpark(c).init_weights(seed=1).mtp)
+    zero = torch.zeros(1, 1, (2 + n) * n)
+    diag = torch.e ** 4 / (torch.e ** 4 + n - 1)  # softmax(4·I) is already doubly stochastic
+    for i, block in enumerate(blocks):
+        assert float(block.attn.attn_sink.abs().max()) == 0.0, i
+        for which in ("attn", "ffn"):
+            pre, post, comb = (t.double() for t in block.split(zero, which))
+            assert torch.allclose(pre, torch.full_like(pre, 1 / n), atol=1e-5), (i, which, pre)
+            assert torch.allclose(post, torch.ones_like(post), atol=1e-6), (i, which, post)
+            want = torch.full((n, n), (1 - diag) / (n - 1), dtype=torch.float64).fill_diagonal_(diag)
+            assert torch.allclose(comb[0, 0], want, atol=1e-5), (i, which, comb)
+            std = float(getattr(block, f"hc_{which}_fn").detach().std())
+            assert 5e-4 < std < 2e-3, (i, which, std)
