@@ -7,7 +7,8 @@
         --new-tokens 8                                                 # a smoke run without a GPU
 
 For each batch size the same greedy requests (prompts of `--prompt-len` tokens, `--new-tokens` each) run
-on a plain engine (CUDA graphs on a GPU) and on a speculative one (eager verification, the drafter, the
+on a plain engine (CUDA graphs on a GPU) and on a speculative one (the static verification step of k + 1
+positions, CUDA-graphed on a GPU, the drafter, the
 verification-length scheduler over the step-time curve the engine profiled at start-up). Measured over
 the decode phase (after every prompt's prefill): tokens/s, the seconds spent inside the drafter (so
 "spec excluding drafter" = what a free drafter would give — the oracle drafter is a second copy of the
@@ -38,6 +39,8 @@ class TimedDrafter:
         self.drafter, self.sync, self.seconds = drafter, sync, 0.0
         self.k = drafter.k
         self.features_at = getattr(drafter, "features_at", "output")
+        if hasattr(drafter, "observe_many"):  # the engine's batched hand-over, when the drafter has one
+            self.observe_many = lambda *args: self._timed(drafter.observe_many, *args)
 
     def _timed(self, fn, *args):
         self.sync()
@@ -133,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompts = windows of the validation documents of this corpus folder (e.g. data/sample) "
                          "instead of random token ids (a trained drafter needs real text)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--speculate", choices=["auto", "always"], default="auto",
+                    help="auto: the engine decodes plainly where its cost model says drafting does not pay")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--profile-steps", type=int, default=8, help="steps under torch.profiler (GPU time)")
@@ -162,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     report = {"benchmark": "speculative", "date": dt.date.today().isoformat(), "model": source,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "drafter": args.drafter, "draft_tokens": args.draft_tokens, "prompt_len": args.prompt_len,
+              "drafter": args.drafter, "speculate": args.speculate, "draft_tokens": args.draft_tokens,
+              "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "runs": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             inner = NoisyDrafter(c.vocab_size, args.draft_tokens, base=inner, noise=0.3)
         drafter = TimedDrafter(inner, sync)
         t0 = time.perf_counter()
-        spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter)
+        spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate)
         profile_s = time.perf_counter() - t0
         spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter)
         st = spec_engine.stats.speculative
@@ -207,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                "gpu_time_ratio_plain_over_spec": ratio(base["gpu_s_per_token"], spec["gpu_s_per_token"]),
                "mean_tokens_per_verification": st.mean_tokens_per_verification, "accepted_histogram": st.histogram,
                "length_histogram": st.length_histogram, "step_time_curve": spec_engine.step_time.to_dict(),
+               "plain_steps": st.plain_steps, "verification_forwards": st.forwards,
+               "propose_s_by_bucket": dict(spec_engine._propose_s),
+               "verify_graphs": spec_engine.vgraphs.captures if spec_engine.vgraphs is not None else 0,
                "profile_s": profile_s}
         report["runs"].append(run)
         path.write_text(json.dumps(report, indent=1))  # after every batch: a run cut short keeps what it measured

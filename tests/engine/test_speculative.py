@@ -69,14 +69,17 @@ def cache_bytes(pools: BlockManager, cache: SequenceCache) -> dict[str, torch.Te
     return out
 
 
+@pytest.mark.parametrize("path", ["host", "static"])  # Runner.forward / the static verification step (DecodeIO T = 5)
 @pytest.mark.parametrize("prompt_len", [37, 38])  # the ratio-2 sources' partial group is open / closed at the start
-def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(prompt_len):
+def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(prompt_len, path):
     """Rows keep 0..5 of a 5-token verification block. (1) Twin rows, verified in the same batched forward
     with other tokens after the kept prefix, end byte-identical — every cache byte, the fp32 partial groups
     included: the rejected tokens leave no trace. (2) A run that never saw them (plain decode steps of the
     kept tokens) holds the same bytes in every quantized cache (FP8 rings, FP4 entries and index keys),
     positions, token ids and pages; its fp32 partial-group projections differ only by matmul rounding
-    (1-row vs T-row products), and one more step gives the same logits."""
+    (1-row vs T-row products), and one more step gives the same logits. The block runs through the host-driven
+    forward or through the engine's static verification step (entry rows reserved by the host, partial groups
+    continued branch-free on the device)."""
     torch.manual_seed(prompt_len)
     model = engine_test_model(prompt_len)
     c = model.config
@@ -107,12 +110,23 @@ def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(p
     rows = spec + twins
     starts = [s.n_tokens for s in rows]
     rollback = VerifyRollback(pools, rows, starts, T)
-    capture = Capture(projections=True)
     tokens = torch.cat((block, twin))
-    runner.forward(rows, tokens, starts, range(c.n_layers), capture=capture)
+    if path == "host":
+        capture = Capture(projections=True)
+        runner.forward(rows, tokens, starts, range(c.n_layers), capture=capture)
+        projections = capture.kv_projections
+    else:
+        vio = DecodeIO(c, pools, 2 * n, T, projections=True)
+        vio.fill_batch(rows, tokens.tolist())
+        vio.send()
+        runner.decode(vio, 2 * n, vio.max_entries(2 * n))
+        projections = vio.projections
+        assert projections and all(kv.shape == (2 * n, T, c.head_dim) for kv, _ in projections.values())
     for cache, row in zip(rows, tokens.tolist()):
         cache.tokens.extend(row)
-    rollback.restore(keeps + keeps, capture.kv_projections)
+    whole = keeps.index(T)  # the row that keeps every block token: its state before the rollback is final
+    before = {name: t for name, t in cache_bytes(pools, spec[whole]).items() if ".pending_" in name}
+    rollback.restore(keeps + keeps, projections)
     # the reference never sees the rejected tokens: plain decode steps (the static step) of the kept ones
     for b, keep in enumerate(keeps):
         for t in block[b, :keep].tolist():
@@ -132,6 +146,11 @@ def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(p
             else:
                 assert torch.equal(got[name], want[name]), \
                     f"row keeping {keep}: {name} differs in {(got[name] != want[name]).sum().item()} elements"
+    # the step alone (no rollback) continued the partial groups as T plain steps do
+    want = cache_bytes(pools, ref[whole])
+    for name, got in before.items():
+        err = ((got - want[name]).abs().max() / want[name].abs().max()).item()
+        assert err < 1e-6, f"{path} step: {name} before the rollback, rel err {err:.2e} vs plain decode"
     # all continue alike: one more plain step on every row
     nxt = torch.randint(3, c.vocab_size, (n,), generator=g).tolist()
     logits = []
@@ -184,7 +203,7 @@ def test_greedy_with_the_noisy_drafter_equals_plain_decode_on_100_prompts():
     hist = st.histogram
     assert hist[0] > 0 and sum(hist[1:-1]) > 0 and hist[-1] > 0, hist  # none, some and all accepted
     assert len(set(i for i, n in enumerate(st.length_histogram) if n)) >= 3, st.length_histogram
-    assert sum(len(o) for o, _ in got) + sum(r == "stop" for _, r in got) == st.emitted + len(prompts)
+    assert sum(len(o) for o, _ in got) + sum(r == "stop" for _, r in got) == st.emitted + st.plain_tokens + len(prompts)
 
 
 def test_the_oracle_drafts_are_all_accepted_and_random_drafts_none():
@@ -282,7 +301,10 @@ def test_a_prefix_save_after_speculation_stores_only_accepted_tokens(tmp_path):
     assert warm.output == plain2
 
 
-def test_the_drafter_sees_committed_tokens_and_the_main_models_hidden_states():
+@pytest.mark.parametrize("plain", [False, True])  # True: every other step decodes plainly (the cost model's choice)
+def test_the_drafter_sees_committed_tokens_and_the_main_models_hidden_states(plain):
+    """Every committed token reaches the drafter once, in order, with the main model's hidden states at its
+    position — also tokens decoded by plain steps, which the drafter catches up on from the feature ring."""
     model = engine_test_model(49)
     c = model.config
     layers = [c.n_layers - 2, c.n_layers - 1]
@@ -298,7 +320,11 @@ def test_the_drafter_sees_committed_tokens_and_the_main_models_hidden_states():
     prompt = torch.randint(3, c.vocab_size, (11,), generator=torch.Generator().manual_seed(49)).tolist()
     drafter = Recording(c.vocab_size, 3, base=None, noise=0.5)
     engine = Engine(model, max_batch=1, max_seq_len=128, drafter=drafter, step_time=FLAT)
-    out = _run(engine, [prompt], [9])[0][0]
+    if plain:
+        turns = iter([True, False, False] * 20)
+        engine._worth_drafting = lambda B: next(turns)
+    out = _run(engine, [prompt], [24 if plain else 9])[0][0]
+    assert (engine.stats.speculative.plain_steps > 3) == plain
     committed = [t for tokens, _ in seen for t in tokens]
     # every verification but the finishing one reports its kept tokens
     assert committed == (prompt + out)[:len(committed)] and len(committed) > len(prompt)

@@ -14,6 +14,7 @@ from dsv41.engine.cache import SequenceCache
 from dsv41.engine.engine import Engine
 from dsv41.engine.prefill import prefill
 from dsv41.engine.runner import Capture, Runner
+from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.speculative import NoisyDrafter, OracleDrafter, VerifyRollback
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -75,3 +76,53 @@ def test_rollback_on_cuda_restores_the_quantized_bytes():
             else:
                 assert torch.equal(got[name], other[name]), f"row keeping {keep}: {name}"
         assert rows[b].n_tokens == len(prompt) + keep
+
+
+def test_the_verification_graph_replays_the_eager_static_step():
+    """The static verification step (k + 1 positions per row) replayed from its CUDA graph = the same step
+    run eagerly, on the same caches (rolled back in between): logits, the drafter's features, the compressor
+    projections and every cache byte the step writes."""
+    model = engine_test_model(62).to("cuda")
+    c = model.config
+    layers = [c.n_layers - 2, c.n_layers - 1]
+
+    class Wanting(NoisyDrafter):
+        def features_wanted(self):
+            return layers
+
+    engine = Engine(model, max_batch=8, max_seq_len=512, step_time=FLAT, drafter=Wanting(c.vocab_size, 4, noise=1.0))
+    assert engine.vgraphs is not None
+    g = torch.Generator().manual_seed(62)
+    seqs = [engine.add_request(torch.randint(3, c.vocab_size, (n,), generator=g).tolist(),
+                               SamplingParams(max_tokens=50)) for n in (5, 37, 130, 200, 261)]
+    while any(s.prefilling or s.next_token is None for s in seqs):
+        engine.step()
+    caches, B, T = [s.cache for s in seqs], len(seqs), engine.drafter.k + 1
+    block = torch.randint(3, c.vocab_size, (B, T), generator=g)
+    block[:, 0] = torch.tensor([s.next_token for s in seqs])
+    block = block.tolist()
+    runs = []
+    for graphs in (None, engine.vgraphs):
+        starts = [cache.n_tokens for cache in caches]
+        rollback = VerifyRollback(engine.pools, caches, starts, T)
+        logits = engine._run_static(engine.vio, graphs, caches, block).clone()
+        features = engine.vio.features[:, :B].clone()
+        projections = {s: (kv[:B].clone(), sc[:B].clone()) for s, (kv, sc) in engine.vio.projections.items()}
+        for cache, row in zip(caches, block):
+            cache.tokens.extend(row)
+        written = [cache_bytes(engine.pools, cache) for cache in caches]
+        rollback.restore([0] * B, projections)
+        runs.append((logits, features, projections, written))
+    (l0, f0, p0, w0), (l1, f1, p1, w1) = runs
+    assert engine.vgraphs.captures >= 1
+    for name, a, b in [("logits", l0, l1), ("features", f0, f1)] + \
+            [(f"projections {s}", p0[s][0], p1[s][0]) for s in p0]:
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err < 1e-5, f"{name}: graph vs eager rel err {err:.2e}"
+    for b in range(B):
+        for name in w0[b]:
+            if ".pending_" in name:
+                err = ((w0[b][name] - w1[b][name]).abs().max() / w1[b][name].abs().max().clamp(min=1e-30)).item()
+                assert err < 1e-5, f"row {b}: {name} rel err {err:.2e}"
+            else:
+                assert torch.equal(w0[b][name], w1[b][name]), f"row {b}: {name} differs between graph and eager"

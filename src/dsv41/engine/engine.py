@@ -14,8 +14,10 @@ Every pool is allocated once (`BlockManager`); running out of pages preempts the
 to host memory (bit-exact swap) instead of reserving worst-case memory up front.
 With a `drafter` (speculative decoding, `engine/speculative.py`, docs/speculative.md) step 1 becomes:
 the drafter proposes k tokens per sequence, a verification length per sequence is chosen against
-the step-time curve profiled at start-up, the main model verifies them in one eager forward through
-the caches, the accepted prefix (+ one token) is emitted and everything else is rolled back.
+the step-time curve profiled at start-up, the main model verifies them in one forward through the
+caches (the static verification step of k + 1 positions, CUDA-graphed like the decode step), the
+accepted prefix (+ one token) is emitted and everything else is rolled back; where the cost model says
+drafting does not pay at this batch size, the step decodes plainly instead.
 A request that fails alone (a sampler error, say) finishes with `error` set; the others go on.
 """
 
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from dsv41.engine.block_manager import PAGE_ROWS, BlockManager
 from dsv41.engine.cache import SequenceCache
-from dsv41.engine.graphs import DecodeGraphs
+from dsv41.engine.graphs import DecodeGraphs, batch_buckets, bucket
 from dsv41.engine.prefill import PrefillJob, encode_prompt_images
 from dsv41.engine.prefix import PrefixCache, image_namespace
 from dsv41.engine.runner import Capture, DecodeIO, Runner
@@ -96,7 +98,8 @@ class Engine:
                  token_budget: int | None = None, prefill_layers: int | None = 4, exact_prefill: bool = False,
                  prefix_cache: PrefixCache | None = None, max_seq_len: int | None = None,
                  max_tokens: int | None = None, cuda_graphs: bool | None = None, graph_min_entries: int = 1024,
-                 page_rows: int = PAGE_ROWS, drafter: Drafter | None = None, step_time: StepTimeCurve | None = None):
+                 page_rows: int = PAGE_ROWS, drafter: Drafter | None = None, step_time: StepTimeCurve | None = None,
+                 speculate: str = "auto"):
         """max_seq_len bounds one sequence (default: the config's); max_tokens sizes the global-KV
         pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
         max_seq_len); token_budget = tokens per step (default prefill_chunk + max_batch); prefill_layers =
@@ -104,7 +107,12 @@ class Engine:
         whole chunks), which bounds the eager work a step adds to the streams' token gaps;
         cuda_graphs: replay decode steps from CUDA graphs (default: on CUDA devices); page_rows =
         entries per page of the global-KV pools. drafter: speculative decoding (off when None);
-        step_time: its verification step-time curve (default: profiled here, `profile_step_time`)."""
+        step_time: its step-time curve (default: profiled here on the static steps, `profile_step_time`);
+        speculate: "auto" — a step decodes plainly when the curve and the drafter's measured propose time
+        say speculation would not pay at this batch size (the drafter catches up on those tokens later) —
+        or "always"."""
+        if speculate not in ("auto", "always"):
+            raise ValueError(f"speculate must be 'auto' or 'always', got {speculate!r}")
         self.model = model.eval()
         self.config = c = model.config
         self.device = next(model.parameters()).device
@@ -115,23 +123,39 @@ class Engine:
         self.pools = BlockManager(c, self.device, max_slots=max_batch, max_tokens=max_tokens,
                                   max_seq_len=self.max_seq_len, page_rows=page_rows)
         self.runner = Runner(model)
-        self.io = DecodeIO(c, self.pools, max_batch)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.drafter = drafter
+        self.feature_ring = None  # (slots + 1, W, n, dim): the drafter's features of plainly decoded tokens
+        self.vio = self.vgraphs = None  # the static verification step (T = k + 1) and its graphs
+        wanted: tuple[int, ...] = ()
+        if drafter is not None:
+            if not 1 <= drafter.k < c.window_size:
+                raise ValueError(f"drafter proposes k = {drafter.k}; 1 <= k < window_size = {c.window_size} needed")
+            wanted, at = tuple(drafter.features_wanted()), getattr(drafter, "features_at", "output")
+            self.feature_ring = torch.zeros(self.pools.dummy_slot + 1, c.window_size, len(wanted), c.dim,
+                                            device=self.device)
+            self.vio = DecodeIO(c, self.pools, max_batch, drafter.k + 1, capture_layers=wanted, capture_at=at,
+                                projections=True)
+            if use_graphs:
+                self.vgraphs = DecodeGraphs(self.runner, self.vio, min_entries=graph_min_entries)
+        self.io = DecodeIO(c, self.pools, max_batch, capture_layers=wanted,
+                           capture_at=getattr(drafter, "features_at", "output"), feature_ring=self.feature_ring)
         self.graphs = DecodeGraphs(self.runner, self.io, min_entries=graph_min_entries) if use_graphs else None
         if use_graphs:  # capturable MoE dispatch: every expert on every token, when experts are few
             for moe in model.moe_layers():
                 if moe.n_routed <= 4 * moe.topk:
                     moe.moe_impl = "dense"
         _keep_fp32_weights_in_fp32(model)
-        self.drafter = drafter
         self.step_time = step_time
+        self.speculate = speculate
+        self._propose_s: dict[int, float] = {}  # batch bucket → the drafter's measured propose time (EMA)
+        self._drafter_seen: dict[int, int] = {}  # sequence id → tokens the drafter has observed
         decode_tokens = 1
         if drafter is not None:
-            if not 1 <= drafter.k < c.window_size:
-                raise ValueError(f"drafter proposes k = {drafter.k}; 1 <= k < window_size = {c.window_size} needed")
             decode_tokens = drafter.k + 1
             if self.step_time is None:  # the start-up profile the verification-length scheduler plans with
-                self.step_time = profile_step_time(self.runner, self.pools, k=drafter.k, max_batch=max_batch)
+                self.step_time = profile_step_time(self._timed_static_step, self.pools, c, k=drafter.k,
+                                                   batch_sizes=self._buckets(max_batch))
         self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch,
                                    decode_tokens=decode_tokens, prefill_layers=prefill_layers)
         self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
@@ -221,6 +245,7 @@ class Engine:
                     self.drafter.start(seq.id)
                     self._drafting.add(seq.id)
                     self.drafter.observe(seq.id, torch.tensor(seq.cache.tokens, device=self.device), features)
+                    self._drafter_seen[seq.id] = seq.cache.n_tokens
                 outputs.extend(self._emit([seq], logits.unsqueeze(0)))
         return outputs
 
@@ -268,35 +293,59 @@ class Engine:
                                  images=seq.images)
 
     def preempt(self, seq: Sequence) -> None:
+        self._catch_up([seq])  # the feature ring is per slot: the drafter takes what it holds before the slot goes
         seq.swapped = seq.cache.swap_out()
 
     # ------------------------------------------------------------------ decode
-    def _decode(self, seqs: list[Sequence]) -> Tensor:
-        """Run each sequence's pending token through all layers at once: logits (B, vocab)."""
-        io, B = self.io, len(seqs)
-        io.fill_batch([seq.cache for seq in seqs], [seq.next_token for seq in seqs])
+    def _run_static(self, io: DecodeIO, graphs: DecodeGraphs | None, caches: list[SequenceCache],
+                    tokens: list[int] | list[list[int]]) -> Tensor:
+        """The static step of `io` (one token or a block of io.T per row) for these caches: logits
+        io.logits[:B]. Replayed from `graphs` when given, eager otherwise."""
+        B = len(caches)
+        io.fill_batch(caches, tokens)
         n_entries = io.max_entries(B)
-        if self.graphs is not None:
-            Bb, n_max = self.graphs.shape(B, n_entries)
+        if graphs is not None:
+            Bb, n_max = graphs.shape(B, n_entries)
             io.pad(B, Bb)
             io.send()
             try:
-                logits = self.graphs.run(B, n_max)
-            except RuntimeError as err:  # a kernel that cannot be captured: decode eagerly from now on
-                log.warning("CUDA-graph capture failed (%s); decoding eagerly", err)
-                self.graphs = None
+                return graphs.run(B, n_max)
+            except RuntimeError as err:  # a kernel that cannot be captured: run eagerly from now on
+                log.warning("CUDA-graph capture failed (%s); running the static steps eagerly", err)
+                self.graphs = self.vgraphs = None
                 torch.cuda.synchronize()
-                logits = self.runner.decode(io, Bb, n_max)[:B]
-        else:
-            io.send()
-            logits = self.runner.decode(io, B, n_entries)
+                return self.runner.decode(io, Bb, n_max)[:B]
+        io.send()
+        return self.runner.decode(io, B, n_entries)
+
+    def _decode(self, seqs: list[Sequence]) -> Tensor:
+        """Run each sequence's pending token through all layers at once: logits (B, vocab)."""
+        logits = self._run_static(self.io, self.graphs, [seq.cache for seq in seqs], [seq.next_token for seq in seqs])
         for seq in seqs:
             seq.cache.tokens.append(seq.next_token)
         self.stats.decode_steps += 1
-        self.stats.decode_tokens += B
+        self.stats.decode_tokens += len(seqs)
         return logits
 
     # ------------------------------------------------------------------ speculative decode
+    @staticmethod
+    def _buckets(max_batch: int) -> list[int]:
+        return batch_buckets(max_batch)
+
+    def _timed_static_step(self, caches: list[SequenceCache], block: list[list[int]]) -> dict:
+        """One static step over throw-away caches for the start-up profile (`profile_step_time`): T = 1 is
+        the plain decode step, T = k + 1 the verification step. Returns its projections (the rollback)."""
+        T = len(block[0])
+        if T == 1:
+            self._run_static(self.io, self.graphs, caches, [row[0] for row in block]).argmax(-1).tolist()
+            projections = {}
+        else:
+            self._run_static(self.vio, self.vgraphs, caches, block).argmax(-1).tolist()  # the sync a step makes
+            projections = {s: (kv[:len(caches)], sc[:len(caches)]) for s, (kv, sc) in self.vio.projections.items()}
+        for cache, row in zip(caches, block):
+            cache.tokens.extend(row)
+        return projections
+
     def _verify_caps(self, seqs: list[Sequence]) -> tuple[list[int], int]:
         """Per row the longest useful verification (drafts ≤ k, emitted tokens ≤ max_tokens left) and the
         batch's bound (every row's padded block must fit max_seq_len)."""
@@ -305,9 +354,43 @@ class Engine:
         caps = [max(0, min(k, s.params.max_tokens - len(s.output) - 1, r)) for s, r in zip(seqs, room)]
         return caps, max(0, min(room))
 
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Hand the drafter the tokens it has not seen (decoded plainly, `speculate="auto"`) with their
+        features from the feature ring — at most the last window of them, all a drafter attends to."""
+        if self.feature_ring is None:
+            return
+        W = self.config.window_size
+        for seq in seqs:
+            seen = self._drafter_seen.get(seq.id)
+            if seen is None or seq.cache is None or seq.cache.released:
+                continue
+            n = seq.cache.n_tokens
+            if seen >= n:
+                continue
+            m = min(n - seen, W)
+            positions = torch.arange(n - m, n, device=self.device)
+            rows = self.feature_ring[seq.cache.slot, positions % W]  # (m, n_layers, dim)
+            features = {layer: rows[:, j] for j, layer in enumerate(self.io.capture_layers)}
+            self.drafter.observe(seq.id, torch.tensor(seq.cache.tokens[seen:n], device=self.device), features)
+            self._drafter_seen[seq.id] = n
+
+    def _worth_drafting(self, B: int) -> bool:
+        """The cost model of `speculate="auto"`: expected tokens per second of a verification step (the
+        measured mean acceptance, 1 draft before 16 verifications; the drafter's measured propose time; the
+        profiled verification step) against a plain decode step, both at the padded batch."""
+        Bb = bucket(B, self._buckets(self.max_batch))
+        t_propose = self._propose_s.get(Bb)
+        if t_propose is None:  # measure it once
+            return True
+        stats, k = self.stats.speculative, self.drafter.k
+        gain = stats.mean_accepted if stats.verifications >= 16 else 1.0
+        return (1 + gain) / (t_propose + self.step_time(Bb * (k + 1))) > 1 / self.step_time(Bb)
+
     def _propose(self, seqs: list[Sequence]):
-        """The drafter's proposal for the batch, checked (None when it fails: the step verifies no draft)."""
+        """The drafter's proposal for the batch, checked (None when it fails: the step verifies no draft),
+        and its confidences on the host."""
         k, B = self.drafter.k, len(seqs)
+        t0 = time.perf_counter()
         try:
             prop = self.drafter.propose([s.id for s in seqs], torch.tensor([s.next_token for s in seqs],
                                                                             device=self.device))
@@ -319,51 +402,74 @@ class Engine:
                 raise ValueError("proposal holds token ids outside the vocabulary")
             if prop.probs is not None and tuple(prop.probs.shape) != (B, k, self.config.vocab_size):
                 raise ValueError(f"proposal probs of shape {tuple(prop.probs.shape)}")
-            return prop
+            confidence = prop.confidence.float().clamp(0, 1).tolist()
         except Exception:  # noqa: BLE001 - a broken drafter costs speed, never correctness
             log.exception("the drafter failed; this step verifies no drafts")
-            return None
+            return None, None
+        Bb = bucket(B, self._buckets(self.max_batch))
+        dt = time.perf_counter() - t0
+        self._propose_s[Bb] = dt if Bb not in self._propose_s else 0.8 * self._propose_s[Bb] + 0.2 * dt
+        return prop, confidence
 
     def _speculate(self, seqs: list[Sequence]) -> list[StepOutput]:
-        """One verification step: propose, choose lengths, verify in one forward, accept, roll back, emit."""
-        c, B, stats = self.config, len(seqs), self.stats.speculative
+        """One verification step: propose, choose lengths, verify in one forward, accept, roll back, emit.
+        The forward is the static verification step of k + 1 positions (a CUDA graph on GPUs) whenever
+        every row's block fits max_seq_len; otherwise the host-driven forward over max L + 1 positions."""
+        c, B, stats, k = self.config, len(seqs), self.stats.speculative, self.drafter.k
         caps, batch_cap = self._verify_caps(seqs)
-        prop = self._propose(seqs)
+        static = self.vio is not None and batch_cap >= k
+        if static and self.speculate == "auto" and not self._worth_drafting(B):
+            return self._plain_step(seqs)  # the drafter sees these tokens when it drafts next
+        self._catch_up(seqs)
+        prop, confidence = self._propose(seqs)
         if prop is None:
             lengths = [0] * B
             drafts = [[] for _ in seqs]
         else:
-            confidence = prop.confidence.float().clamp(0, 1).tolist()
-            lengths = choose_lengths(confidence, [min(cap, batch_cap) for cap in caps], self.step_time, padded=True)
+            step_time = self.step_time
+            if static:  # the static step computes k + 1 positions whatever the lengths; T = 0 is a plain step
+                Bb = bucket(B, self._buckets(self.max_batch))
+
+                def step_time(n: int) -> float:
+                    return self.step_time(Bb * (1 if n <= B else k + 1))
+
+            lengths = choose_lengths(confidence, [min(cap, batch_cap) for cap in caps], step_time, padded=True)
             drafts = prop.tokens.long().tolist()
-        T = max(lengths) + 1
+        if static and max(lengths) == 0:  # nothing worth verifying: a plain step (the drafter catches up later)
+            return self._plain_step(seqs)
+        T = k + 1 if static else max(lengths) + 1
         # rows shorter than T are padded with their own later drafts (never accepted, rolled back)
         block = [[s.next_token] + (d + [s.next_token] * T)[:T - 1] for s, d in zip(seqs, drafts)]
         caches = [s.cache for s in seqs]
         starts = [cache.n_tokens for cache in caches]
         rollback = VerifyRollback(self.pools, caches, starts, T)
-        capture = Capture(layers=tuple(self.drafter.features_wanted()),
-                          at=getattr(self.drafter, "features_at", "output"), projections=True)
-        h, pre_mix = self.runner.forward(caches, torch.tensor(block, device=self.device), starts,
-                                         range(c.n_layers), capture=capture)
+        if static:
+            logits = self._run_static(self.vio, self.vgraphs, caches, block)  # (B, T, V) fp32
+            features = {layer: self.vio.features[j, :B] for j, layer in enumerate(self.vio.capture_layers)}
+            projections = {s: (kv[:B], sc[:B]) for s, (kv, sc) in self.vio.projections.items()}
+        else:
+            capture = Capture(layers=tuple(self.drafter.features_wanted()),
+                              at=getattr(self.drafter, "features_at", "output"), projections=True)
+            h, pre_mix = self.runner.forward(caches, torch.tensor(block, device=self.device), starts,
+                                             range(c.n_layers), capture=capture)
+            logits = self.model.head_logits(hc_pre(h, pre_mix))  # (B, T, V) fp32
+            features, projections = capture.features, capture.kv_projections
         for cache, row in zip(caches, block):
             cache.tokens.extend(row)
-        logits = self.model.head_logits(hc_pre(h, pre_mix))  # (B, T, V) fp32
         verdicts = verify(logits, drafts, lengths, [s.params for s in seqs], [s.generator for s in seqs],
                           None if prop is None else prop.probs)
         plans = [self._emission(s, v.tokens, start) for s, v, start in zip(seqs, verdicts, starts)]
-        rollback.restore([len(tokens) for tokens, _ in plans], capture.kv_projections)
+        rollback.restore([len(tokens) for tokens, _ in plans], projections)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += sum(len(tokens) for tokens, _ in plans)
         stats.forwards += 1
+        # the drafter sees the committed block positions of the rows that go on
+        keep = [len(tokens) if reason is None else 0 for tokens, reason in plans]
+        self._observe(seqs, block, features, keep)
         outputs: list[StepOutput] = []
         for b, (seq, v, (tokens, reason)) in enumerate(zip(seqs, verdicts, plans)):
             stats.record(lengths[b], v.accepted, len(tokens))
             logprobs = self._logprobs([seq] * len(tokens), logits[b, :len(tokens)], tokens)
-            if reason is None:  # the drafter sees the committed block positions
-                keep = len(tokens)
-                self.drafter.observe(seq.id, torch.tensor(block[b][:keep], device=self.device),
-                                     {i: f[b, :keep] for i, f in capture.features.items()})
             for j, (token, (lp, top)) in enumerate(zip(tokens, logprobs)):
                 last = j == len(tokens) - 1
                 if last and reason == "stop":
@@ -378,6 +484,30 @@ class Engine:
                     self._finish(seq)
                 outputs.append(StepOutput(seq, token, seq.finished, lp, top))
         return outputs
+
+    def _plain_step(self, seqs: list[Sequence]) -> list[StepOutput]:
+        stats = self.stats.speculative
+        stats.plain_steps += 1
+        stats.plain_tokens += len(seqs)
+        return self._emit(seqs, self._decode(seqs))
+
+    def _observe(self, seqs: list[Sequence], block: list[list[int]], features: dict[int, Tensor],
+                 keep: list[int]) -> None:
+        """Row b's first keep[b] block positions (tokens and features) to the drafter, in one batched call
+        when it has `observe_many`."""
+        if not any(keep):
+            return
+        many = getattr(self.drafter, "observe_many", None)
+        if many is not None:
+            many([s.id for s in seqs], torch.tensor(block, device=self.device), features, keep)
+        else:
+            for b, (seq, n) in enumerate(zip(seqs, keep)):
+                if n:
+                    self.drafter.observe(seq.id, torch.tensor(block[b][:n], device=self.device),
+                                         {i: f[b, :n] for i, f in features.items()})
+        for seq, n in zip(seqs, keep):
+            if n:
+                self._drafter_seen[seq.id] = self._drafter_seen.get(seq.id, 0) + n
 
     def _emission(self, seq: Sequence, tokens: list[int], start: int) -> tuple[list[int], str | None]:
         """The tokens a verification emits, cut where plain decoding would have finished, and the finish
@@ -464,6 +594,7 @@ class Engine:
     def _retire(self, seq: Sequence) -> None:
         if seq.id in self._drafting:
             self._drafting.discard(seq.id)
+            self._drafter_seen.pop(seq.id, None)
             self.drafter.finish(seq.id)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED

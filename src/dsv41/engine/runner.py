@@ -171,12 +171,29 @@ class Runner:
     # ------------------------------------------------------------------ the static decode step
     @torch.no_grad()
     def decode(self, io: DecodeIO, B: int, n_max: dict[int, int]) -> Tensor:
-        """One token for the first B rows of `io` through every layer; writes and returns
-        io.logits[:B] (B, vocab) fp32. Shapes depend only on (B, n_max): capturable."""
+        """The first B rows of `io` advance by io.T tokens each through every layer: one token (a decode
+        step) or a verification block of T positions (speculative decoding). Writes and returns
+        io.logits[:B] — (B, vocab) fp32 for T = 1 (the last position), (B, T, vocab) for T > 1 — and,
+        when io.capture_layers is set, the wanted features into io.features (and io.feature_ring) and the
+        ratio-m compressors' projections into io.projections. Shapes depend only on (B, n_max): capturable."""
         record = io.record(B, n_max)
-        h, pre_mix = self._layers(record, io.tokens[:B].view(B, 1), range(self.config.n_layers))
+        if io.capture_layers or io.projections:
+            record.capture = Capture(layers=io.capture_layers, at=io.capture_at, projections=bool(io.projections))
+        h, pre_mix = self._layers(record, io.block(B), range(self.config.n_layers))
         out = io.logits[:B]
-        out.copy_(self.logits(h, pre_mix))
+        out.copy_(self.logits(h, pre_mix) if io.T == 1 else self.model.head_logits(hc_pre(h, pre_mix)))
+        capture = record.capture
+        if capture is not None:
+            for j, layer in enumerate(io.capture_layers):
+                io.features[j, :B].copy_(capture.features[layer])  # (B, T, dim)
+            if io.feature_ring is not None:  # per-slot ring of the wanted features (a drafter catches up from it)
+                stacked = torch.stack([capture.features[i] for i in io.capture_layers], dim=2)  # (B, T, n, dim)
+                W = io.feature_ring.size(1)
+                io.feature_ring[record.slots.view(B, 1), record.positions % W] = stacked.to(io.feature_ring.dtype)
+            for s, (kv_buf, score_buf) in io.projections.items():
+                kv, score = capture.kv_projections[s]
+                kv_buf[:B].copy_(kv)
+                score_buf[:B].copy_(score)
         return out
 
     # ------------------------------------------------------------------ the layer stack
@@ -318,28 +335,58 @@ class Runner:
         self._write_entries(layer_id, latent.unsqueeze(0), starts.unsqueeze(0), row_ids, pool)
 
     def _compress_static(self, layer_id: int, x: Tensor, record: StepRecord) -> None:
-        """Decode (T = 1) compression without host work: each row's entry is written to the row
-        the host reserved for it when its token completes a group (−1 otherwise)."""
+        """Compression of a static step (T tokens per row) without host work: each token that completes a
+        group writes its entry to the row the host reserved for it (−1 otherwise). The group's older
+        members come from the slot's partial group, the rest from this step's tokens; afterwards the
+        slot's partial group holds the members of the group still open after the T tokens."""
         attn = self.model.layers[layer_id].attn
         comp, m = attn.compressor, attn.ratio
         pool = record.pools.sources[layer_id]
-        pos = record.positions  # (B, 1)
+        pos = record.positions  # (B, T)
+        B, T = pos.shape
         if m == 1:
-            latent, first = comp.norm(comp.wkv(x)), pos  # (B, 1, D)
+            latent, first = comp.norm(comp.wkv(x)), pos  # (B, T, D)
         else:
-            kv, score = comp.project(x)  # (B, 1, D) fp32
+            kv, score = comp.project(x)  # (B, T, D) fp32
+            capture = record.capture
+            if capture is not None and capture.projections:  # a speculative rollback rebuilds partial groups
+                capture.kv_projections[layer_id] = (kv, score)
             slots = record.slots
-            group_kv = torch.cat((pool.pending_kv[slots], kv), dim=1)  # (B, m, D): valid when this token ends it
-            group_score = torch.cat((pool.pending_score[slots], score), dim=1)
-            latent = comp.norm(comp.pool(group_kv, group_score).to(x.dtype)).unsqueeze(1)  # (B, 1, D)
             first = pos - (m - 1)
-            # the token joins its slot's partial group unless it completed the group (then it is
-            # parked in the dummy slot): index_put, no branch on the host
-            j = (pos % m).view(-1)
-            keep = torch.where(j < m - 1, slots, torch.full_like(slots, record.pools.dummy_slot))
-            jj = j.clamp(max=m - 2)
-            pool.pending_kv[keep, jj] = kv[:, 0]
-            pool.pending_score[keep, jj] = score[:, 0]
+            if T == 1:
+                group_kv = torch.cat((pool.pending_kv[slots], kv), dim=1)  # (B, m, D): valid when this token ends it
+                group_score = torch.cat((pool.pending_score[slots], score), dim=1)
+                latent = comp.norm(comp.pool(group_kv, group_score).to(x.dtype)).unsqueeze(1)  # (B, 1, D)
+                # the token joins its slot's partial group unless it completed the group (then it is
+                # parked in the dummy slot): index_put, no branch on the host
+                j = (pos % m).view(-1)
+                keep = torch.where(j < m - 1, slots, torch.full_like(slots, record.pools.dummy_slot))
+                jj = j.clamp(max=m - 2)
+                pool.pending_kv[keep, jj] = kv[:, 0]
+                pool.pending_score[keep, jj] = score[:, 0]
+            else:
+                # (B, m − 1 + T, D): the slot's partial group (positions g0 …) then the T tokens (positions s …)
+                ext_kv = torch.cat((pool.pending_kv[slots], kv), dim=1)
+                ext_score = torch.cat((pool.pending_score[slots], score), dim=1)
+                s0 = pos[:, :1]  # (B, 1) first position of the step
+                g0 = s0 - s0 % m  # (B, 1) first position of the group open before the step
+
+                def gather(where: Tensor) -> tuple[Tensor, Tensor]:
+                    """Members at positions `where` (B, N) → their (kv, score) (B, N, D) from ext_*; positions
+                    outside [g0, s0 + T) read a clamped row (only ever in groups that are not written)."""
+                    idx = torch.where(where >= s0, where - s0 + (m - 1), where - g0).clamp(0, m - 2 + T)
+                    idx = idx.unsqueeze(-1).expand(-1, -1, ext_kv.size(-1))  # (B, N, D)
+                    return ext_kv.gather(1, idx), ext_score.gather(1, idx)
+
+                members = first.unsqueeze(-1) + torch.arange(m, device=x.device)  # (B, T, m) the group token t ends
+                gk, gs = gather(members.view(B, T * m))
+                pooled = comp.pool(gk.view(B, T, m, -1), gs.view(B, T, m, -1))  # (B, T, D)
+                latent = comp.norm(pooled.to(x.dtype))
+                end = s0 + T
+                open_members = end - end % m + torch.arange(m - 1, device=x.device)  # (B, m − 1)
+                pk, ps = gather(open_members)
+                pool.pending_kv[slots] = pk  # padding rows all write the dummy slot
+                pool.pending_score[slots] = ps
         self._write_entries(layer_id, latent, first, record.write_rows[layer_id], pool)
 
     def _write_entries(self, layer_id: int, latent: Tensor, first: Tensor, rows: Tensor, pool) -> None:
@@ -383,33 +430,61 @@ def engram_history(prev: list[int], config) -> list[int]:
 
 
 class DecodeIO:
-    """Persistent buffers of the static decode step for up to `max_batch` rows.
+    """Persistent buffers of the static step for up to `max_batch` rows of T positions each (T = 1: a
+    decode step; T > 1: a speculative verification block).
 
     One int64 host buffer (pinned on CUDA) holds every per-row input, one field per row of the
     buffer so that each field's first B entries are a contiguous view; the host fills it and
-    `send()` copies it to its device twin in one transfer. Fields: token, position, slot, Engram
-    history (k columns), and per kv source its entry count after the step and the pool row the
-    step's completed entry goes to (−1 = none). `logits` is the step's (max_batch, vocab) output."""
+    `send()` copies it to its device twin in one transfer. Fields: the T tokens, the first position,
+    slot, Engram history (k columns: the tokens before the first position), and per kv source its
+    entry count after the step and, per position, the pool row of the entry that token completes
+    (−1 = none). `logits` is the step's output: (max_batch, vocab) for T = 1, (max_batch, T, vocab)
+    for T > 1. With `capture_layers`, the step also hands back those layers' features (the mean over
+    streams, `Capture`) in `features` (n, max_batch, T, dim), and — when `feature_ring` is given, a
+    (slots + 1, W, n, dim) tensor — stores them per slot and position % W; with `projections`, the
+    ratio-m compressors' projections of every position (a rollback rebuilds partial groups from them)."""
 
-    def __init__(self, config, pools: BlockManager, max_batch: int):
-        self.config, self.pools, self.max_batch = config, pools, max_batch
+    def __init__(self, config, pools: BlockManager, max_batch: int, T: int = 1, *,
+                 capture_layers: tuple[int, ...] = (), capture_at: str = "output", projections: bool = False,
+                 feature_ring: Tensor | None = None):
+        if not 1 <= T <= config.window_size:
+            raise ValueError(f"a static step of {T} positions per row; 1 <= T <= window_size = {config.window_size}")
+        self.config, self.pools, self.max_batch, self.T = config, pools, max_batch, T
         self.k = config.engram_max_ngram_size - 1 if config.engram_layer_ids else 0
         self.sources = list(pools.sources)
-        self.TOK, self.POS, self.SLOT, self.HIST = 0, 1, 2, 3
-        self.CNT = {s: 3 + self.k + 2 * i for i, s in enumerate(self.sources)}
-        self.ROW = {s: 4 + self.k + 2 * i for i, s in enumerate(self.sources)}
-        n_fields = 3 + self.k + 2 * len(self.sources)
+        self.TOK, self.POS, self.SLOT, self.HIST = 0, T, T + 1, T + 2
+        base = T + 2 + self.k
+        self.CNT = {s: base + (T + 1) * i for i, s in enumerate(self.sources)}
+        self.ROW = {s: base + (T + 1) * i + 1 for i, s in enumerate(self.sources)}  # T fields from here
+        n_fields = base + (T + 1) * len(self.sources)
         device = pools.device
         self.host = torch.zeros(n_fields, max_batch, dtype=torch.long, pin_memory=device.type == "cuda")
         self.view = self.host.numpy()  # (F, max_batch) host writes without torch ops
         self.device = torch.zeros(n_fields, max_batch, dtype=torch.long, device=device)
-        self.logits = torch.zeros(max_batch, config.vocab_size, dtype=torch.float32, device=device)
+        shape = (max_batch, config.vocab_size) if T == 1 else (max_batch, T, config.vocab_size)
+        self.logits = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.capture_layers, self.capture_at = tuple(capture_layers), capture_at
+        # fp32 holds the model's bf16 features exactly
+        self.features = torch.zeros(len(self.capture_layers), max_batch, T, config.dim, device=device)
+        self.feature_ring = feature_ring
+        self.projections: dict[int, tuple[Tensor, Tensor]] = {}
+        if projections:
+            for s, p in pools.sources.items():
+                if p.pending_kv is not None:
+                    D = p.pending_kv.size(-1)
+                    self.projections[s] = (torch.zeros(max_batch, T, D, device=device),
+                                           torch.zeros(max_batch, T, D, device=device))
         self.pad(0)
         self.pad_device = self.host.to(device, copy=True)  # every row padding (graph warm-up)
 
     @property
     def tokens(self) -> Tensor:
+        """(max_batch,) the first position's token of each row."""
         return self.device[self.TOK]
+
+    def block(self, B: int) -> Tensor:
+        """(B, T) the tokens of the first B rows (a view of the device buffer)."""
+        return self.device[self.TOK:self.TOK + self.T, :B].t()
 
     def pad(self, first: int, last: int | None = None) -> None:
         """Rows [first, last) become padding: dummy slot, position 0, no entry written."""
@@ -418,30 +493,36 @@ class DecodeIO:
         v[self.SLOT, first:last] = self.pools.dummy_slot
         v[self.HIST:self.HIST + self.k, first:last] = -1
         for s in self.sources:
-            v[self.ROW[s], first:last] = -1
+            v[self.ROW[s]:self.ROW[s] + self.T, first:last] = -1
 
-    def fill_batch(self, caches: list[SequenceCache], tokens: list[int]) -> None:
-        """Row b decodes tokens[b] at the end of caches[b], for b < B (reserving the entry rows the step
-        completes). One host write per field for the whole batch (per-row writes cost ~20 µs a row)."""
-        v, B = self.view, len(caches)
+    def fill_batch(self, caches: list[SequenceCache], tokens: list[int] | list[list[int]]) -> None:
+        """Row b runs tokens[b] (one token, or a block of T) at the end of caches[b], for b < B, reserving
+        the entry rows the step completes. One host write per field for the whole batch (per-row writes
+        cost ~20 µs a row)."""
+        v, B, T = self.view, len(caches), self.T
         positions = [c.n_tokens for c in caches]
-        v[self.TOK, :B] = tokens
+        if T == 1:
+            v[self.TOK, :B] = tokens
+        else:
+            v[self.TOK:self.TOK + T, :B] = np.asarray(tokens, dtype=np.int64).reshape(B, T).T
         v[self.POS, :B] = positions
         v[self.SLOT, :B] = [c.slot for c in caches]
         k = self.k
         if k:
             pad = [-1] * k
-            # (B, k): the k tokens before each row's token, left-padded with -1 near the start
+            # (B, k): the k tokens before each row's first token, left-padded with -1 near the start
             hist = [(pad + engram_history(c.tokens[-k:], self.config))[-k:] if c.tokens else pad for c in caches]
             v[self.HIST:self.HIST + k, :B] = np.asarray(hist, dtype=np.int64).T
         for s in self.sources:
             stores = [c.entry_stores[s] for c in caches]
             m = stores[0].ratio if stores else 1
-            rows = v[self.ROW[s]]
-            rows[:B] = -1
+            rows = v[self.ROW[s]:self.ROW[s] + T]  # (T, max_batch)
+            rows[:, :B] = -1
             for b, (pos, store) in enumerate(zip(positions, stores)):
-                if (pos + 1) % m == 0:  # this token completes a compressed entry: its row is reserved now
-                    rows[b] = store.reserve(1)[0]
+                # the positions whose token completes a compressed entry: their rows are reserved now
+                ends = [t for t in range(T) if (pos + t + 1) % m == 0]
+                if ends:
+                    rows[ends, b] = store.reserve(len(ends))
             v[self.CNT[s], :B] = [store.n_entries for store in stores]
 
     def send(self) -> None:
@@ -454,8 +535,9 @@ class DecodeIO:
 
     def record(self, B: int, n_max: dict[int, int]) -> StepRecord:
         """Views of the first B rows as a step record (device ops only)."""
-        d, pools = self.device, self.pools
-        positions = d[self.POS, :B].view(B, 1)
+        d, pools, T = self.device, self.pools, self.T
+        first = d[self.POS, :B].view(B, 1)
+        positions = first if T == 1 else first + torch.arange(T, device=d.device)  # (B, T)
         slots = d[self.SLOT, :B]
         history = d[self.HIST:self.HIST + self.k, :B].t() if self.k else None  # (B, k)
         W = self.config.window_size
@@ -463,5 +545,5 @@ class DecodeIO:
         for s in self.sources:
             table = pools.sources[s].table.index_select(0, slots)  # (B, width) int32
             rec.sources[s] = (table, d[self.CNT[s], :B], max(1, int(n_max[s])))
-            rec.write_rows[s] = d[self.ROW[s], :B].view(B, 1)
+            rec.write_rows[s] = d[self.ROW[s]:self.ROW[s] + T, :B].t()  # (B, T)
         return rec

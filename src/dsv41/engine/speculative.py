@@ -44,9 +44,8 @@ from torch import Tensor
 from dsv41.engine.block_manager import BlockManager
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.prefill import PrefillJob
-from dsv41.engine.runner import Capture, Runner
+from dsv41.engine.runner import Runner
 from dsv41.engine.sampling import SamplingParams, sampling_probs
-from dsv41.model.mhc import hc_pre
 from dsv41.model.transformer import Transformer
 
 
@@ -441,6 +440,8 @@ class SpeculativeStats:
     drafted: int = 0  # drafts verified (Σ L)
     accepted: int = 0  # drafts accepted (Σ a)
     emitted: int = 0  # tokens emitted by verifications (Σ a + 1, truncated at a finish)
+    plain_steps: int = 0  # steps decoded plainly instead (the cost model, `Engine(speculate="auto")`, or no draft)
+    plain_tokens: int = 0  # tokens those steps emitted
     histogram: list[int] = field(default_factory=list)  # histogram[a] = verifications with a accepted
     length_histogram: list[int] = field(default_factory=list)  # histogram of the chosen verification lengths
 
@@ -469,50 +470,39 @@ class SpeculativeStats:
         rate = self.accepted / self.drafted if self.drafted else 0.0
         return (f"speculative: {self.verifications} verifications, {self.mean_tokens_per_verification:.2f} "
                 f"tokens/verification, {self.accepted}/{self.drafted} drafts accepted ({rate:.0%}), "
+                f"{self.plain_steps} plain steps, "
                 f"accepted histogram {self.histogram}")
 
 
 @torch.no_grad()
-def profile_step_time(runner: Runner, pools: BlockManager, *, k: int, max_batch: int, context: int = 16,
-                      repeats: int = 2, batch_sizes: list[int] | None = None) -> StepTimeCurve:
-    """Time verification forwards of B rows × T positions (T ∈ {1, k + 1}, B = 1, 2, 4 … max_batch) on
-    throw-away sequences of `context` tokens, each rolled back after timing; the median of `repeats`
-    per shape. Needs B free slots (run it at start-up)."""
-    c = runner.config
-    device = pools.device
-    B_max = min(max_batch, pools.free_slots)
-    if batch_sizes is None:
-        batch_sizes, b = [], 1
-        while b < B_max:
-            batch_sizes.append(b)
-            b *= 2
-        batch_sizes.append(B_max)
+def profile_step_time(run: Callable[[list[SequenceCache], list[list[int]]], dict], pools: BlockManager, config, *,
+                      k: int, batch_sizes: list[int], context: int = 16, repeats: int = 2) -> StepTimeCurve:
+    """Time the engine's static steps of B rows × T positions (T ∈ {1, k + 1}, B in `batch_sizes`, capped by
+    the free slots) on throw-away sequences of `context` tokens, each rolled back after timing; the median
+    of `repeats` per shape. `run(caches, block)` is one step (the engine's `_timed_static_step`: graph
+    replay on GPUs) that syncs and returns the step's compressor projections. Run it at start-up."""
+    B_max = min(max(batch_sizes), pools.free_slots)
+    sizes = sorted({min(b, B_max) for b in batch_sizes})
     g = torch.Generator().manual_seed(0)
-    caches = [SequenceCache(c, pools=pools) for _ in range(B_max)]
+    caches = [SequenceCache(config, pools=pools) for _ in range(B_max)]
     try:
-        prompt = torch.randint(3, c.vocab_size, (B_max, context), generator=g).to(device)
-        runner.forward(caches, prompt, [0] * B_max, range(c.n_layers))
-        for cache, row in zip(caches, prompt.tolist()):
-            cache.tokens.extend(row)
+        prompt = torch.randint(3, config.vocab_size, (B_max, context), generator=g).tolist()
+        for t in range(context):  # the context, one plain step at a time (the pools' own decode path)
+            run(caches, [[row[t]] for row in prompt])
         points = []
-        T_values = sorted({1, min(k + 1, c.window_size)})
-        for B in batch_sizes:
-            for T in T_values:
+        for B in sizes:
+            for T in sorted({1, min(k + 1, config.window_size)}):
                 rows = caches[:B]
-                block = torch.randint(3, c.vocab_size, (B, T), generator=g).to(device)
+                block = torch.randint(3, config.vocab_size, (B, T), generator=g).tolist()
                 times = []
-                for _ in range(repeats + 1):  # the first run warms up
+                for _ in range(repeats + 1):  # the first run warms up (and captures a graph)
                     rollback = VerifyRollback(pools, rows, [context] * B, T)
-                    capture = Capture(projections=True)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
+                    if pools.device.type == "cuda":
+                        torch.cuda.synchronize(pools.device)
                     t0 = time.perf_counter()
-                    h, pre_mix = runner.forward(rows, block, [context] * B, range(c.n_layers), capture=capture)
-                    runner.model.head_logits(hc_pre(h, pre_mix)).argmax(-1).tolist()  # the sync a step makes
+                    projections = run(rows, block)
                     times.append(time.perf_counter() - t0)
-                    for cache, row in zip(rows, block.tolist()):
-                        cache.tokens.extend(row)
-                    rollback.restore([0] * B, capture.kv_projections)
+                    rollback.restore([0] * B, projections)
                 times = sorted(times[1:])
                 points.append((B * T, times[len(times) // 2]))
         return StepTimeCurve(points)
