@@ -208,12 +208,15 @@ class DSpark(nn.Module):
         return self.base_logits(hidden) + bias, self.last.confidence_head(hidden, markov)
 
     def sample(self, hidden: Tensor, anchor_tokens: Tensor, temperature: float = 0.0,
-               generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+               generator: torch.Generator | None = None, return_probs: bool = True
+               ) -> tuple[Tensor, Tensor | None, Tensor]:
         """Semi-autoregressive drafting: one forward gave every position's base logits; the Markov head
         adds the previous *drafted* token's bias, position by position (official forward_head).
 
         hidden (..., K, dim), anchor_tokens (...) → (tokens (..., K) long, draft probabilities (..., K, V)
-        the tokens were drawn from (one-hot when greedy), confidence logits (..., K))."""
+        the tokens were drawn from (one-hot when greedy), confidence logits (..., K)). `return_probs=False`
+        gives None for the probabilities and skips building them (the engine's greedy drafting: a
+        (B, K, V) one-hot it never reads). No host reads: the greedy form is CUDA-graph capturable."""
         base = self.base_logits(hidden)  # (..., K, V)
         prev = anchor_tokens
         tokens, probs, conf = [], [], []
@@ -223,14 +226,15 @@ class DSpark(nn.Module):
             conf.append(self.last.confidence_head(hidden[..., i, :], markov))
             if temperature <= 0:
                 nxt = logits.argmax(-1)
-                p = F.one_hot(nxt, logits.size(-1)).float()
+                p = F.one_hot(nxt, logits.size(-1)).float() if return_probs else None
             else:
                 p = torch.softmax(logits / temperature, dim=-1)
                 nxt = torch.multinomial(p.reshape(-1, p.size(-1)), 1, generator=generator).view(p.shape[:-1])
             tokens.append(nxt)
             probs.append(p)
             prev = nxt
-        return torch.stack(tokens, -1), torch.stack(probs, -2), torch.stack(conf, -1)
+        drawn = torch.stack(probs, -2) if return_probs else None
+        return torch.stack(tokens, -1), drawn, torch.stack(conf, -1)
 
     # ------------------------------------------------------------------ training form
     def context_windows(self, keys: Tensor, doc_ids: Tensor, anchors: Tensor) -> tuple[Tensor, Tensor]:
