@@ -93,6 +93,8 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
         engine.step()  # every prefill done: the decode phase starts
     gpu_s, gpu_tokens = gpu_seconds(engine, profile_steps, device)
     sync()
+    if drafter is not None:  # the profiler's host overhead would make the cost model's speculative steps look slow
+        engine.reset_cost_model()
     drafter_s0 = drafter.seconds if drafter is not None else 0.0
     tokens0, t0 = sum(len(s.output) for s in seqs), time.perf_counter()
     while engine.has_work():
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     for B in args.batches:
         prompts = (text[:B] if text else
                    torch.randint(3, c.vocab_size, (B, args.prompt_len), generator=g).tolist())
-        plain = Engine(model, max_batch=B, max_seq_len=max_seq_len)
+        plain = Engine(model, max_batch=B, max_seq_len=max_seq_len, prefill_layers=None)
         base = decode_run(plain, prompts, args.new_tokens, args.device, args.profile_steps, None)
         del plain
         try:
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             inner = NoisyDrafter(c.vocab_size, args.draft_tokens, base=inner, noise=0.3)
         drafter = TimedDrafter(inner, sync)
         t0 = time.perf_counter()
-        spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate)
+        spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate,
+                             prefill_layers=None)
         profile_s = time.perf_counter() - t0
         spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter)
         st = spec_engine.stats.speculative
@@ -214,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                "mean_tokens_per_verification": st.mean_tokens_per_verification, "accepted_histogram": st.histogram,
                "length_histogram": st.length_histogram, "step_time_curve": spec_engine.step_time.to_dict(),
                "plain_steps": st.plain_steps, "verification_forwards": st.forwards,
-               "propose_s_by_bucket": dict(spec_engine._propose_s),
+               "cost_model": {f"{kind} @ batch {Bb}": {"s_per_row": v[0], "tokens_per_row": v[1], "steps": v[2]}
+                              for (kind, Bb), v in spec_engine._rate.items()},
                "verify_graphs": spec_engine.vgraphs.captures if spec_engine.vgraphs is not None else 0,
                "profile_s": profile_s}
         report["runs"].append(run)

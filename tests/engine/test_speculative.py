@@ -365,3 +365,32 @@ def test_a_swapped_out_state_survives_its_slot_being_reused():
     after = cache_bytes(pools, a)
     assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k],
                                                                                                           after[k])]
+
+
+def test_the_cost_model_drafts_only_where_measured_speculative_steps_beat_plain_ones():
+    """`speculate="auto"`: per batch bucket, tokens per row per second of measured speculative steps against
+    measured plain steps (first step of each kind skipped: graph capture); drafts until measured; probes
+    again after 64 plain steps in a row; buckets are independent."""
+    model = engine_test_model(52)
+    engine = Engine(model, max_batch=8, max_seq_len=64, step_time=FLAT,
+                    drafter=NoisyDrafter(model.config.vocab_size, 3))
+    assert engine._worth_drafting(8)  # nothing measured: draft
+    engine._measure("spec", 8, 50.0, 8)  # the capture step: not counted
+    assert engine._worth_drafting(8)
+    engine._measure("spec", 8, 8 * 0.004, 8 * 2.0)  # 2 tokens per row in 4 ms per row: 500 tokens/s per row
+    # no plain step measured yet: the curve (1 s per step of 8 rows = 0.125 s per row) is far slower
+    assert engine._worth_drafting(8)
+    engine._measure("plain", 8, 1.0, 8)  # the capture step: not counted
+    engine._measure("plain", 8, 8 * 0.0025, 8)  # 400 tokens/s per row: speculation still wins
+    assert engine._worth_drafting(8)
+    engine._measure("plain", 8, 8 * 0.0015, 8)  # average 0.9·2.5 + 0.1·1.5 = 2.4 ms: 417 tokens/s
+    assert engine._worth_drafting(8)
+    for _ in range(20):
+        engine._measure("plain", 8, 8 * 0.0015, 8)  # → 1.5 ms: 667 tokens/s per row beats 500
+    assert not engine._worth_drafting(8)
+    assert engine._worth_drafting(2)  # another bucket: unmeasured
+    for _ in range(64 - 21):
+        engine._measure("plain", 8, 8 * 0.0015, 8)
+    assert engine._worth_drafting(8)  # 64 plain steps in a row: probe once
+    engine._measure("spec", 8, 8 * 0.004, 8 * 2.0)
+    assert not engine._worth_drafting(8)

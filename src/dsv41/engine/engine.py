@@ -148,7 +148,10 @@ class Engine:
         _keep_fp32_weights_in_fp32(model)
         self.step_time = step_time
         self.speculate = speculate
-        self._propose_s: dict[int, float] = {}  # batch bucket → the drafter's measured propose time (EMA)
+        # the cost model's measurements per batch bucket (`_worth_drafting`): moving averages of the wall time
+        # per row of speculative and plain steps, of the tokens per row a speculative step emits, and sample counts
+        self._rate: dict[tuple[str, int], list[float]] = {}
+        self._plain_run: dict[int, int] = {}  # batch bucket → plain steps since the last speculative one
         self._drafter_seen: dict[int, int] = {}  # sequence id → tokens the drafter has observed
         decode_tokens = 1
         if drafter is not None:
@@ -375,22 +378,44 @@ class Engine:
             self._drafter_seen[seq.id] = n
 
     def _worth_drafting(self, B: int) -> bool:
-        """The cost model of `speculate="auto"`: expected tokens per second of a verification step (the
-        measured mean acceptance, 1 draft before 16 verifications; the drafter's measured propose time; the
-        profiled verification step) against a plain decode step, both at the padded batch."""
+        """The cost model of `speculate="auto"`: tokens per second of speculative steps against plain ones at
+        this batch bucket, both measured (wall time of whole steps, moving averages; the first step of a kind
+        per bucket is not counted: it captures graphs). Until both are measured: the start-up curve for the
+        verification forward plus 1 draft accepted per row. Every 64th plain step in a row probes speculation
+        again (acceptance changes with the text)."""
         Bb = bucket(B, self._buckets(self.max_batch))
-        t_propose = self._propose_s.get(Bb)
-        if t_propose is None:  # measure it once
-            return True
-        stats, k = self.stats.speculative, self.drafter.k
-        gain = stats.mean_accepted if stats.verifications >= 16 else 1.0
-        return (1 + gain) / (t_propose + self.step_time(Bb * (k + 1))) > 1 / self.step_time(Bb)
+        spec, plain = self._rate.get(("spec", Bb)), self._rate.get(("plain", Bb))
+        if spec is None or spec[2] < 1:
+            return True  # measure it
+        if self._plain_run.get(Bb, 0) >= 64:
+            return True  # probe
+        t_plain = plain[0] if plain is not None and plain[2] >= 1 else self.step_time(Bb) / Bb
+        return spec[1] / spec[0] > 1 / t_plain
+
+    def reset_cost_model(self) -> None:
+        """Forget the cost model's measurements (after steps timed under a profiler, say: its overhead
+        would make every speculative step look slow)."""
+        self._rate.clear()
+        self._plain_run.clear()
+
+    def _measure(self, kind: str, B: int, seconds: float, tokens: int) -> None:
+        """One step's wall time and tokens into the cost model (per row, moving averages)."""
+        Bb = bucket(B, self._buckets(self.max_batch))
+        entry = self._rate.setdefault((kind, Bb), [0.0, 0.0, -1])
+        entry[2] += 1
+        t, n = seconds / B, tokens / B
+        if entry[2] <= 0:
+            return  # the first step of a kind captures graphs
+        if entry[2] == 1:
+            entry[0], entry[1] = t, n
+        else:
+            entry[0], entry[1] = 0.9 * entry[0] + 0.1 * t, 0.9 * entry[1] + 0.1 * n
+        self._plain_run[Bb] = self._plain_run.get(Bb, 0) + 1 if kind == "plain" else 0
 
     def _propose(self, seqs: list[Sequence]):
         """The drafter's proposal for the batch, checked (None when it fails: the step verifies no draft),
         and its confidences on the host."""
         k, B = self.drafter.k, len(seqs)
-        t0 = time.perf_counter()
         try:
             prop = self.drafter.propose([s.id for s in seqs], torch.tensor([s.next_token for s in seqs],
                                                                             device=self.device))
@@ -406,9 +431,6 @@ class Engine:
         except Exception:  # noqa: BLE001 - a broken drafter costs speed, never correctness
             log.exception("the drafter failed; this step verifies no drafts")
             return None, None
-        Bb = bucket(B, self._buckets(self.max_batch))
-        dt = time.perf_counter() - t0
-        self._propose_s[Bb] = dt if Bb not in self._propose_s else 0.8 * self._propose_s[Bb] + 0.2 * dt
         return prop, confidence
 
     def _speculate(self, seqs: list[Sequence]) -> list[StepOutput]:
@@ -420,7 +442,8 @@ class Engine:
         static = self.vio is not None and batch_cap >= k
         if static and self.speculate == "auto" and not self._worth_drafting(B):
             return self._plain_step(seqs)  # the drafter sees these tokens when it drafts next
-        self._catch_up(seqs)
+        self._catch_up(seqs)  # a cost of the plain steps before, not of this one
+        t0 = time.perf_counter()
         prop, confidence = self._propose(seqs)
         if prop is None:
             lengths = [0] * B
@@ -467,6 +490,8 @@ class Engine:
         keep = [len(tokens) if reason is None else 0 for tokens, reason in plans]
         self._observe(seqs, block, features, keep)
         outputs: list[StepOutput] = []
+        if static:
+            self._measure("spec", B, time.perf_counter() - t0, sum(len(tokens) for tokens, _ in plans))
         for b, (seq, v, (tokens, reason)) in enumerate(zip(seqs, verdicts, plans)):
             stats.record(lengths[b], v.accepted, len(tokens))
             logprobs = self._logprobs([seq] * len(tokens), logits[b, :len(tokens)], tokens)
@@ -489,7 +514,10 @@ class Engine:
         stats = self.stats.speculative
         stats.plain_steps += 1
         stats.plain_tokens += len(seqs)
-        return self._emit(seqs, self._decode(seqs))
+        t0 = time.perf_counter()
+        outputs = self._emit(seqs, self._decode(seqs))
+        self._measure("plain", len(seqs), time.perf_counter() - t0, len(seqs))
+        return outputs
 
     def _observe(self, seqs: list[Sequence], block: list[list[int]], features: dict[int, Tensor],
                  keep: list[int]) -> None:

@@ -537,7 +537,7 @@ def build_drafter(kind: str, model: Transformer, *, checkpoint=None, k: int = 4,
             drafter = load_drafter(directory, model)
         except (CheckpointError, ConfigError) as err:
             raise SpeculativeError(f"--speculative dspark: {err}") from err
-        return DSparkDrafter(drafter)
+        return DSparkDrafter(drafter, max_sequences=max_sequences)
     raise SpeculativeError(f"--speculative dspark: {where} has no DSpark drafter (no dspark/ folder with a "
                            "drafter config beside the weights); train one with `dsv41 train-dspark` or use "
                            "--speculative oracle")

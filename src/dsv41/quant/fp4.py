@@ -19,6 +19,7 @@ dtype) with a straight-through gradient: identity where ``|x / scale| <= 6``, ze
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -46,7 +47,14 @@ _MID_TIE_UP = (0.75, 1.75, 3.5)
 
 
 def _const(values: tuple[float, ...], like: Tensor) -> Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=like.device)
+    return _device_const(values, like.device)
+
+
+@functools.lru_cache(maxsize=32)
+def _device_const(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """A constant table on `device`, made once: a CUDA graph may replay code that reads it (a fresh
+    `torch.tensor` would be a host → device copy, which capture refuses)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def fp4_encode(x: Tensor) -> Tensor:
@@ -89,7 +97,7 @@ def _check_kind(scale_kind: str) -> None:
 def _scales(amax: Tensor, scale_kind: ScaleKind) -> tuple[Tensor, Tensor]:
     """Block amax (fp32) → (scale bytes uint8, scale values fp32), same shape."""
     if scale_kind == "e4m3":
-        ratio = amax.clamp(min=_E4M3_AMAX_FLOOR) / amax.new_tensor(FP4_MAX)
+        ratio = amax.clamp(min=_E4M3_AMAX_FLOOR) / torch.full((), FP4_MAX, dtype=amax.dtype, device=amax.device)
         # RNE; clamp first: torch 2.11 casts values >= 480 to NaN (2.13 on CPU saturates)
         scale = ratio.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
         return scale.view(torch.uint8), scale.float()

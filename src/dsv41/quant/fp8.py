@@ -69,8 +69,9 @@ def e8m0_scale(amax: Tensor, max_value: float) -> Tensor:
     capped at byte 254 (2^127). Callers apply their own amax floors first.
     """
     # True fp32 division by a same-device tensor (CUDA turns a CPU-scalar divisor into a
-    # reciprocal multiply, which can differ in the last bit from CPU).
-    ratio = amax.float() / amax.new_tensor(max_value, dtype=torch.float32)
+    # reciprocal multiply, which can differ in the last bit from CPU). `torch.full` fills it on the
+    # device (no host → device copy, so a CUDA graph can capture it; `new_tensor` copies).
+    ratio = amax.float() / torch.full((), max_value, dtype=torch.float32, device=amax.device)
     ratio = ratio.clamp(min=_FP32_MIN_NORMAL)
     bits = ratio.view(torch.int32)
     exponent = bits >> 23  # biased exponent, sign is 0 (ratio > 0)
