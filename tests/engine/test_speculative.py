@@ -301,8 +301,9 @@ def test_a_prefix_save_after_speculation_stores_only_accepted_tokens(tmp_path):
     assert warm.output == plain2
 
 
-@pytest.mark.parametrize("plain", [False, True])  # True: every other step decodes plainly (the cost model's choice)
-def test_the_drafter_sees_committed_tokens_and_the_main_models_hidden_states(plain):
+@pytest.mark.parametrize("many", [False, True])  # the drafter has observe_many: batched hand-overs and catch-ups
+@pytest.mark.parametrize("plain", [False, True])  # True: two of three steps decode plainly (the cost model's choice)
+def test_the_drafter_sees_committed_tokens_and_the_main_models_hidden_states(plain, many):
     """Every committed token reaches the drafter once, in order, with the main model's hidden states at its
     position — also tokens decoded by plain steps, which the drafter catches up on from the feature ring."""
     model = engine_test_model(49)
@@ -317,8 +318,14 @@ def test_the_drafter_sees_committed_tokens_and_the_main_models_hidden_states(pla
         def observe(self, seq_id, tokens, features):
             seen.append((tokens.tolist(), {i: f.clone() for i, f in features.items()}))
 
+    class RecordingMany(Recording):
+        def observe_many(self, seq_ids, tokens, features, keep):
+            for b, n in enumerate(keep):
+                if n:
+                    self.observe(seq_ids[b], tokens[b, :n], {i: f[b, :n] for i, f in features.items()})
+
     prompt = torch.randint(3, c.vocab_size, (11,), generator=torch.Generator().manual_seed(49)).tolist()
-    drafter = Recording(c.vocab_size, 3, base=None, noise=0.5)
+    drafter = (RecordingMany if many else Recording)(c.vocab_size, 3, base=None, noise=0.5)
     engine = Engine(model, max_batch=1, max_seq_len=128, drafter=drafter, step_time=FLAT)
     if plain:
         turns = iter([True, False, False] * 20)

@@ -359,22 +359,41 @@ class Engine:
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Hand the drafter the tokens it has not seen (decoded plainly, `speculate="auto"`) with their
-        features from the feature ring — at most the last window of them, all a drafter attends to."""
+        features from the feature ring — at most the last window of them, all a drafter attends to. Rows
+        that lag by at most a window go in one batched `observe_many` when the drafter has it."""
         if self.feature_ring is None:
             return
         W = self.config.window_size
+        lagging = []  # (sequence, tokens seen, tokens cached)
         for seq in seqs:
             seen = self._drafter_seen.get(seq.id)
-            if seen is None or seq.cache is None or seq.cache.released:
-                continue
-            n = seq.cache.n_tokens
-            if seen >= n:
-                continue
-            m = min(n - seen, W)
-            positions = torch.arange(n - m, n, device=self.device)
-            rows = self.feature_ring[seq.cache.slot, positions % W]  # (m, n_layers, dim)
-            features = {layer: rows[:, j] for j, layer in enumerate(self.io.capture_layers)}
-            self.drafter.observe(seq.id, torch.tensor(seq.cache.tokens[seen:n], device=self.device), features)
+            if seen is not None and seq.cache is not None and not seq.cache.released and seen < seq.cache.n_tokens:
+                lagging.append((seq, seen, seq.cache.n_tokens))
+        if not lagging:
+            return
+        layers = self.io.capture_layers
+        many = getattr(self.drafter, "observe_many", None)
+        batched = [row for row in lagging if row[2] - row[1] <= W] if many is not None else []
+        if batched:
+            T = max(n - seen for _, seen, n in batched)
+            first = torch.tensor([seen for _, seen, _ in batched], device=self.device)
+            last = torch.tensor([n - 1 for _, _, n in batched], device=self.device)
+            positions = torch.minimum(first.unsqueeze(1) + torch.arange(T, device=self.device),
+                                      last.unsqueeze(1))  # (B, T); padding repeats a row's last position
+            slots = torch.tensor([seq.cache.slot for seq, _, _ in batched], device=self.device)
+            rows = self.feature_ring[slots.unsqueeze(1), positions % W]  # (B, T, n_layers, dim)
+            tokens = torch.tensor([(seq.cache.tokens[seen:n] + [0] * T)[:T] for seq, seen, n in batched],
+                                  device=self.device)  # (B, T)
+            many([seq.id for seq, _, _ in batched], tokens, {layer: rows[:, :, j] for j, layer in enumerate(layers)},
+                 [n - seen for _, seen, n in batched])
+        done = {seq.id for seq, _, _ in batched}
+        for seq, seen, n in lagging:
+            if seq.id not in done:
+                m = min(n - seen, W)
+                positions = torch.arange(n - m, n, device=self.device)
+                rows = self.feature_ring[seq.cache.slot, positions % W]  # (m, n_layers, dim)
+                self.drafter.observe(seq.id, torch.tensor(seq.cache.tokens[seen:n], device=self.device),
+                                     {layer: rows[:, j] for j, layer in enumerate(layers)})
             self._drafter_seen[seq.id] = n
 
     def _worth_drafting(self, B: int) -> bool:
