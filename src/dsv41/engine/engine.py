@@ -108,9 +108,9 @@ class Engine:
         cuda_graphs: replay decode steps from CUDA graphs (default: on CUDA devices); page_rows =
         entries per page of the global-KV pools. drafter: speculative decoding (off when None);
         step_time: its step-time curve (default: profiled here on the static steps, `profile_step_time`);
-        speculate: "auto" — a step decodes plainly when the curve and the drafter's measured propose time
-        say speculation would not pay at this batch size (the drafter catches up on those tokens later) —
-        or "always"."""
+        speculate: "auto" — a step decodes plainly when the measured speculative steps at this batch size
+        emit fewer tokens per second than plain ones (`_worth_drafting`; the drafter catches up on those
+        tokens later) — or "always"."""
         if speculate not in ("auto", "always"):
             raise ValueError(f"speculate must be 'auto' or 'always', got {speculate!r}")
         self.model = model.eval()
@@ -399,9 +399,9 @@ class Engine:
     def _worth_drafting(self, B: int) -> bool:
         """The cost model of `speculate="auto"`: tokens per second of speculative steps against plain ones at
         this batch bucket, both measured (wall time of whole steps, moving averages; the first step of a kind
-        per bucket is not counted: it captures graphs). Until both are measured: the start-up curve for the
-        verification forward plus 1 draft accepted per row. Every 64th plain step in a row probes speculation
-        again (acceptance changes with the text)."""
+        per bucket is not counted: it captures graphs). It drafts until a speculative step is measured; until a
+        plain step is, the profiled decode step stands for it. After 64 plain steps in a row it drafts once
+        again, to re-measure (acceptance changes with the text)."""
         Bb = bucket(B, self._buckets(self.max_batch))
         spec, plain = self._rate.get(("spec", Bb)), self._rate.get(("plain", Bb))
         if spec is None or spec[2] < 1:
