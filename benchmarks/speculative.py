@@ -8,8 +8,8 @@
 
 For each batch size the same greedy requests (prompts of `--prompt-len` tokens, `--new-tokens` each) run
 on a plain engine (CUDA graphs on a GPU) and on a speculative one (the static verification step of k + 1
-positions, CUDA-graphed on a GPU, the drafter, the
-verification-length scheduler over the step-time curve the engine profiled at start-up). Measured over
+positions and the drafter's proposal, both CUDA-graphed on a GPU, the verification-length scheduler over the
+step-time curve the engine profiled at start-up, the cost model of `speculate`). Measured over
 the decode phase (after every prompt's prefill): tokens/s, the seconds spent inside the drafter (so
 "spec excluding drafter" = what a free drafter would give — the oracle drafter is a second copy of the
 model and costs as much as the main one), GPU kernel time per generated token (torch.profiler, over

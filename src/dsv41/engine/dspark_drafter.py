@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dsv41.engine.graphs import batch_buckets, bucket
+from dsv41.engine.graphs import batch_buckets, bucket, capture_graph
 from dsv41.model.dspark import DSpark
 
 
@@ -110,16 +110,7 @@ class ProposeGraphs:
     def _capture(self, Bb: int) -> torch.cuda.CUDAGraph:
         real = self.inputs.clone()
         self.inputs.copy_(self.padding)  # warm-up rows are padding: nothing of a sequence is read
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.step(Bb)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread-local: the engine's prefix-cache writer thread may use CUDA meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.step(Bb)
+        graph = capture_graph(lambda: self.step(Bb), self.pool)
         self.inputs.copy_(real)
         self.captures += 1
         return graph

@@ -153,12 +153,13 @@ class Engine:
         self._rate: dict[tuple[str, int], list[float]] = {}
         self._plain_run: dict[int, int] = {}  # batch bucket → plain steps since the last speculative one
         self._drafter_seen: dict[int, int] = {}  # sequence id → tokens the drafter has observed
+        self.buckets = batch_buckets(max_batch)  # the padded batch sizes of the static steps (their graphs)
         decode_tokens = 1
         if drafter is not None:
             decode_tokens = drafter.k + 1
             if self.step_time is None:  # the start-up profile the verification-length scheduler plans with
                 self.step_time = profile_step_time(self._timed_static_step, self.pools, c, k=drafter.k,
-                                                   batch_sizes=self._buckets(max_batch))
+                                                   batch_sizes=self.buckets)
         self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch,
                                    decode_tokens=decode_tokens, prefill_layers=prefill_layers)
         self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
@@ -331,10 +332,6 @@ class Engine:
         return logits
 
     # ------------------------------------------------------------------ speculative decode
-    @staticmethod
-    def _buckets(max_batch: int) -> list[int]:
-        return batch_buckets(max_batch)
-
     def _timed_static_step(self, caches: list[SequenceCache], block: list[list[int]]) -> dict:
         """One static step over throw-away caches for the start-up profile (`profile_step_time`): T = 1 is
         the plain decode step, T = k + 1 the verification step. Returns its projections (the rollback)."""
@@ -402,7 +399,7 @@ class Engine:
         per bucket is not counted: it captures graphs). It drafts until a speculative step is measured; until a
         plain step is, the profiled decode step stands for it. After 64 plain steps in a row it drafts once
         again, to re-measure (acceptance changes with the text)."""
-        Bb = bucket(B, self._buckets(self.max_batch))
+        Bb = bucket(B, self.buckets)
         spec, plain = self._rate.get(("spec", Bb)), self._rate.get(("plain", Bb))
         if spec is None or spec[2] < 1:
             return True  # measure it
@@ -419,7 +416,7 @@ class Engine:
 
     def _measure(self, kind: str, B: int, seconds: float, tokens: int) -> None:
         """One step's wall time and tokens into the cost model (per row, moving averages)."""
-        Bb = bucket(B, self._buckets(self.max_batch))
+        Bb = bucket(B, self.buckets)
         entry = self._rate.setdefault((kind, Bb), [0.0, 0.0, -1])
         entry[2] += 1
         t, n = seconds / B, tokens / B
@@ -470,7 +467,7 @@ class Engine:
         else:
             step_time = self.step_time
             if static:  # the static step computes k + 1 positions whatever the lengths; T = 0 is a plain step
-                Bb = bucket(B, self._buckets(self.max_batch))
+                Bb = bucket(B, self.buckets)
 
                 def step_time(n: int) -> float:
                     return self.step_time(Bb * (1 if n <= B else k + 1))

@@ -15,6 +15,8 @@ shapes, outside the capture), then captures; real inputs are restored before the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -72,16 +74,24 @@ class DecodeGraphs:
         io = self.io
         real = io.device.clone()
         io.device.copy_(io.pad_device)  # every row a dummy: warm-up writes touch no sequence
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.runner.decode(io, Bb, n_max)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread-local: the prefix cache's writer thread may copy rows to the host meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.runner.decode(io, Bb, n_max)
+        graph = capture_graph(lambda: self.runner.decode(io, Bb, n_max), self.pool)
         io.device.copy_(real)
         self.captures += 1
         return graph
+
+
+def capture_graph(step: Callable[[], object], pool) -> torch.cuda.CUDAGraph:
+    """`step` captured into a CUDA graph in `pool`: two warm-up runs on a side stream first (kernels
+    compiled and loaded, lazy set-up done outside the capture), then the capture, thread-local (the
+    prefix cache's writer thread may copy rows to the host meanwhile). The caller makes the warm-up
+    runs harmless (padding inputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        step()
+    return graph
