@@ -109,14 +109,14 @@ def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(p
     # one batched verification of T positions per row, then each row keeps its own prefix
     rows = spec + twins
     starts = [s.n_tokens for s in rows]
-    rollback = VerifyRollback(pools, rows, starts, T)
+    rollback = VerifyRollback(pools, rows, starts, T) if path == "host" else None
     tokens = torch.cat((block, twin))
     if path == "host":
         capture = Capture(projections=True)
         runner.forward(rows, tokens, starts, range(c.n_layers), capture=capture)
         projections = capture.kv_projections
     else:
-        vio = DecodeIO(c, pools, 2 * n, T, projections=True)
+        vio = DecodeIO(c, pools, 2 * n, T, projections=True, rollback=True)  # the step snapshots, as the engine's
         vio.fill_batch(rows, tokens.tolist())
         vio.send()
         runner.decode(vio, 2 * n, vio.max_entries(2 * n))
@@ -126,7 +126,13 @@ def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(p
         cache.tokens.extend(row)
     whole = keeps.index(T)  # the row that keeps every block token: its state before the rollback is final
     before = {name: t for name, t in cache_bytes(pools, spec[whole]).items() if ".pending_" in name}
-    rollback.restore(keeps + keeps, projections)
+    if rollback is not None:
+        rollback.restore(keeps + keeps, projections)
+    else:  # the device half (what the engine replays from a graph), then the host's truncation
+        vio.send_keep(keeps + keeps)
+        runner.restore(vio, 2 * n)
+        for cache, start, keep in zip(rows, starts, keeps + keeps):
+            cache.truncate(start + keep)
     # the reference never sees the rejected tokens: plain decode steps (the static step) of the kept ones
     for b, keep in enumerate(keeps):
         for t in block[b, :keep].tolist():

@@ -80,8 +80,9 @@ def test_rollback_on_cuda_restores_the_quantized_bytes():
 
 def test_the_verification_graph_replays_the_eager_static_step():
     """The static verification step (k + 1 positions per row) replayed from its CUDA graph = the same step
-    run eagerly, on the same caches (rolled back in between): logits, the drafter's features, the compressor
-    projections and every cache byte the step writes."""
+    run eagerly, from the same cache states (swapped back in between): logits, the drafter's features, the
+    compressor projections and every cache byte the step writes; then the rollback replayed from its graph
+    (rows keeping 0 … T positions) = the eager rollback, byte for byte."""
     model = engine_test_model(62).to("cuda")
     c = model.config
     layers = [c.n_layers - 2, c.n_layers - 1]
@@ -101,28 +102,43 @@ def test_the_verification_graph_replays_the_eager_static_step():
     block = torch.randint(3, c.vocab_size, (B, T), generator=g)
     block[:, 0] = torch.tensor([s.next_token for s in seqs])
     block = block.tolist()
+    keep = [0, 1, 3, T, 2]  # block positions each row keeps
+    saved = [(cache.swap_out(), list(cache.tokens)) for cache in caches]  # bit-exact start states
     runs = []
     for graphs in (None, engine.vgraphs):
+        for cache, (state, tokens) in zip(caches, saved):
+            cache.swap_in(state)
+            cache.tokens = list(tokens)
         starts = [cache.n_tokens for cache in caches]
-        rollback = VerifyRollback(engine.pools, caches, starts, T)
         logits = engine._run_static(engine.vio, graphs, caches, block).clone()
         features = engine.vio.features[:, :B].clone()
         projections = {s: (kv[:B].clone(), sc[:B].clone()) for s, (kv, sc) in engine.vio.projections.items()}
         for cache, row in zip(caches, block):
             cache.tokens.extend(row)
         written = [cache_bytes(engine.pools, cache) for cache in caches]
-        rollback.restore([0] * B, projections)
-        runs.append((logits, features, projections, written))
-    (l0, f0, p0, w0), (l1, f1, p1, w1) = runs
-    assert engine.vgraphs.captures >= 1
+        engine.vio.send_keep(keep)
+        if graphs is None:
+            engine.runner.restore(engine.vio, B)
+        else:
+            graphs.restore(B)
+        for cache, start, n in zip(caches, starts, keep):
+            cache.truncate(start + n)
+        kept = [cache_bytes(engine.pools, cache) for cache in caches]
+        for cache in caches:
+            cache.swap_out()  # free the slots for the next run
+        runs.append((logits, features, projections, written, kept))
+    (l0, f0, p0, w0, k0), (l1, f1, p1, w1, k1) = runs
+    assert engine.vgraphs.captures >= 2  # the step and its rollback
     for name, a, b in [("logits", l0, l1), ("features", f0, f1)] + \
             [(f"projections {s}", p0[s][0], p1[s][0]) for s in p0]:
         err = ((a - b).abs().max() / b.abs().max()).item()
         assert err < 1e-5, f"{name}: graph vs eager rel err {err:.2e}"
-    for b in range(B):
-        for name in w0[b]:
-            if ".pending_" in name:
-                err = ((w0[b][name] - w1[b][name]).abs().max() / w1[b][name].abs().max().clamp(min=1e-30)).item()
-                assert err < 1e-5, f"row {b}: {name} rel err {err:.2e}"
-            else:
-                assert torch.equal(w0[b][name], w1[b][name]), f"row {b}: {name} differs between graph and eager"
+    for what, x0, x1 in (("written", w0, w1), ("after the rollback", k0, k1)):
+        for b in range(B):
+            assert x0[b].keys() == x1[b].keys()
+            for name in x0[b]:
+                if ".pending_" in name:
+                    err = ((x0[b][name] - x1[b][name]).abs().max() / x1[b][name].abs().max().clamp(min=1e-30)).item()
+                    assert err < 1e-5, f"{what}, row {b}: {name} rel err {err:.2e}"
+                else:
+                    assert torch.equal(x0[b][name], x1[b][name]), f"{what}, row {b}: {name} differs, graph vs eager"

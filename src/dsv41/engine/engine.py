@@ -135,9 +135,12 @@ class Engine:
             self.feature_ring = torch.zeros(self.pools.dummy_slot + 1, c.window_size, len(wanted), c.dim,
                                             device=self.device)
             self.vio = DecodeIO(c, self.pools, max_batch, drafter.k + 1, capture_layers=wanted, capture_at=at,
-                                projections=True)
+                                projections=True, rollback=True)
             if use_graphs:
                 self.vgraphs = DecodeGraphs(self.runner, self.vio, min_entries=graph_min_entries)
+            # each row's pending token, the proposal's anchor: a pinned host mirror and its device twin
+            self._anchors = torch.zeros(max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            self._anchors_dev = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         self.io = DecodeIO(c, self.pools, max_batch, capture_layers=wanted,
                            capture_at=getattr(drafter, "features_at", "output"), feature_ring=self.feature_ring)
         self.graphs = DecodeGraphs(self.runner, self.io, min_entries=graph_min_entries) if use_graphs else None
@@ -302,9 +305,10 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
     def _run_static(self, io: DecodeIO, graphs: DecodeGraphs | None, caches: list[SequenceCache],
-                    tokens: list[int] | list[list[int]]) -> Tensor:
+                    tokens: list[int] | list[list[int]], drafts: Tensor | None = None) -> Tensor:
         """The static step of `io` (one token or a block of io.T per row) for these caches: logits
-        io.logits[:B]. Replayed from `graphs` when given, eager otherwise."""
+        io.logits[:B]. Replayed from `graphs` when given, eager otherwise. drafts (B, T − 1), a device
+        tensor: block positions 1 … T − 1 come from it instead of `tokens` (device → device)."""
         B = len(caches)
         io.fill_batch(caches, tokens)
         n_entries = io.max_entries(B)
@@ -312,6 +316,8 @@ class Engine:
             Bb, n_max = graphs.shape(B, n_entries)
             io.pad(B, Bb)
             io.send()
+            if drafts is not None:
+                io.device[io.TOK + 1:io.TOK + io.T, :B].copy_(drafts.t())
             try:
                 return graphs.run(B, n_max)
             except RuntimeError as err:  # a kernel that cannot be captured: run eagerly from now on
@@ -320,6 +326,8 @@ class Engine:
                 torch.cuda.synchronize()
                 return self.runner.decode(io, Bb, n_max)[:B]
         io.send()
+        if drafts is not None:
+            io.device[io.TOK + 1:io.TOK + io.T, :B].copy_(drafts.t())
         return self.runner.decode(io, B, n_entries)
 
     def _decode(self, seqs: list[Sequence]) -> Tensor:
@@ -449,6 +457,41 @@ class Engine:
             return None, None
         return prop, confidence
 
+    def _propose_on_device(self, seqs: list[Sequence]):
+        """The drafter's proposal for the static step, checked on the host only where that needs no wait
+        (shapes); token ids are checked after the forward (`_fetch_proposal`). None when the drafter fails."""
+        k, B = self.drafter.k, len(seqs)
+        try:
+            self._anchors.numpy()[:B] = [s.next_token for s in seqs]
+            prop = self.drafter.propose([s.id for s in seqs], self._anchors_device(B))
+            if tuple(prop.tokens.shape) != (B, k) or tuple(prop.confidence.shape) != (B, k):
+                raise ValueError(f"proposal shapes {tuple(prop.tokens.shape)}, {tuple(prop.confidence.shape)}; "
+                                 f"({B}, {k}) expected")
+            if prop.probs is not None and tuple(prop.probs.shape) != (B, k, self.config.vocab_size):
+                raise ValueError(f"proposal probs of shape {tuple(prop.probs.shape)}")
+        except Exception:  # noqa: BLE001 - a broken drafter costs speed, never correctness
+            log.exception("the drafter failed; this step decodes plainly")
+            return None
+        return prop
+
+    def _anchors_device(self, B: int) -> Tensor:
+        """Each row's pending token on the device: one copy from the pinned host mirror."""
+        out = self._anchors_dev[:B]
+        out.copy_(self._anchors[:B], non_blocking=True)
+        return out
+
+    def _fetch_proposal(self, prop) -> tuple[list[list[int]], list[bool], list[list[float]]]:
+        """After the verification step: the drafts the step ran (ids outside the vocabulary were clamped
+        into it — such a row verifies nothing), per row whether its ids were valid, and the confidences."""
+        V = self.config.vocab_size
+        tokens = prop.tokens.long()
+        bad = ((tokens < 0) | (tokens >= V)).any(dim=1, keepdim=True)  # (B, 1)
+        rows = torch.cat((tokens.clamp(0, V - 1), bad.long()), dim=1).tolist()  # waits for the step
+        confidence = prop.confidence.float().clamp(0, 1).tolist()
+        if any(row[-1] for row in rows):
+            log.warning("the drafter proposed token ids outside the vocabulary; those rows verify no drafts")
+        return [row[:-1] for row in rows], [not row[-1] for row in rows], confidence
+
     def _speculate(self, seqs: list[Sequence]) -> list[StepOutput]:
         """One verification step: propose, choose lengths, verify in one forward, accept, roll back, emit.
         The forward is the static verification step of k + 1 positions (a CUDA graph on GPUs) whenever
@@ -460,33 +503,42 @@ class Engine:
             return self._plain_step(seqs)  # the drafter sees these tokens when it drafts next
         self._catch_up(seqs)  # a cost of the plain steps before, not of this one
         t0 = time.perf_counter()
-        prop, confidence = self._propose(seqs)
-        if prop is None:
-            lengths = [0] * B
-            drafts = [[] for _ in seqs]
-        else:
-            step_time = self.step_time
-            if static:  # the static step computes k + 1 positions whatever the lengths; T = 0 is a plain step
-                Bb = bucket(B, self.buckets)
-
-                def step_time(n: int) -> float:
-                    return self.step_time(Bb * (1 if n <= B else k + 1))
-
-            lengths = choose_lengths(confidence, [min(cap, batch_cap) for cap in caps], step_time, padded=True)
-            drafts = prop.tokens.long().tolist()
-        if static and max(lengths) == 0:  # nothing worth verifying: a plain step (the drafter catches up later)
-            return self._plain_step(seqs)
-        T = k + 1 if static else max(lengths) + 1
-        # rows shorter than T are padded with their own later drafts (never accepted, rolled back)
-        block = [[s.next_token] + (d + [s.next_token] * T)[:T - 1] for s, d in zip(seqs, drafts)]
         caches = [s.cache for s in seqs]
         starts = [cache.n_tokens for cache in caches]
-        rollback = VerifyRollback(self.pools, caches, starts, T)
-        if static:
-            logits = self._run_static(self.vio, self.vgraphs, caches, block)  # (B, T, V) fp32
+        rollback = None
+        if static:  # the static step computes k + 1 positions whatever the lengths; T = 0 is a plain step
+            T = k + 1
+            prop = self._propose_on_device(seqs)
+            if prop is None:
+                return self._plain_step(seqs)
+            # the drafts go from the proposal into the step's token rows on the device: no host round trip
+            # before the forward; the host learns them (and the confidences) after it, in the step's one wait
+            logits = self._run_static(self.vio, self.vgraphs, caches, [[s.next_token] * T for s in seqs],
+                                      drafts=prop.tokens.long().clamp(0, c.vocab_size - 1))  # (B, T, V) fp32
+            drafts, valid, confidence = self._fetch_proposal(prop)
+            Bb = bucket(B, self.buckets)
+
+            def step_time(n: int) -> float:
+                return self.step_time(Bb * (1 if n <= B else k + 1))
+
+            lengths = choose_lengths(confidence, [min(cap, batch_cap) if ok else 0 for cap, ok in zip(caps, valid)],
+                                     step_time, padded=True)
+            block = [[s.next_token] + d for s, d in zip(seqs, drafts)]
             features = {layer: self.vio.features[j, :B] for j, layer in enumerate(self.vio.capture_layers)}
             projections = {s: (kv[:B], sc[:B]) for s, (kv, sc) in self.vio.projections.items()}
         else:
+            prop, confidence = self._propose(seqs)
+            if prop is None:
+                lengths = [0] * B
+                drafts = [[] for _ in seqs]
+            else:
+                lengths = choose_lengths(confidence, [min(cap, batch_cap) for cap in caps], self.step_time,
+                                         padded=True)
+                drafts = prop.tokens.long().tolist()
+            T = max(lengths) + 1
+            # rows shorter than T are padded with their own later drafts (never accepted, rolled back)
+            block = [[s.next_token] + (d + [s.next_token] * T)[:T - 1] for s, d in zip(seqs, drafts)]
+            rollback = VerifyRollback(self.pools, caches, starts, T)
             capture = Capture(layers=tuple(self.drafter.features_wanted()),
                               at=getattr(self.drafter, "features_at", "output"), projections=True)
             h, pre_mix = self.runner.forward(caches, torch.tensor(block, device=self.device), starts,
@@ -498,7 +550,10 @@ class Engine:
         verdicts = verify(logits, drafts, lengths, [s.params for s in seqs], [s.generator for s in seqs],
                           None if prop is None else prop.probs)
         plans = [self._emission(s, v.tokens, start) for s, v, start in zip(seqs, verdicts, starts)]
-        rollback.restore([len(tokens) for tokens, _ in plans], projections)
+        if rollback is None:
+            self._restore_static(caches, starts, [len(tokens) for tokens, _ in plans])
+        else:
+            rollback.restore([len(tokens) for tokens, _ in plans], projections)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += sum(len(tokens) for tokens, _ in plans)
         stats.forwards += 1
@@ -525,6 +580,18 @@ class Engine:
                     self._finish(seq)
                 outputs.append(StepOutput(seq, token, seq.finished, lp, top))
         return outputs
+
+    def _restore_static(self, caches: list[SequenceCache], starts: list[int], keep: list[int]) -> None:
+        """Undo the static verification step past each row's keep count: the device half replayed from
+        the rollback graph (or eagerly), then each cache truncated on the host."""
+        B = len(caches)
+        self.vio.send_keep(keep)
+        if self.vgraphs is not None:
+            self.vgraphs.restore(B)
+        else:
+            self.runner.restore(self.vio, B)
+        for cache, start, n in zip(caches, starts, keep):
+            cache.truncate(start + n)
 
     def _plain_step(self, seqs: list[Sequence]) -> list[StepOutput]:
         stats = self.stats.speculative

@@ -70,12 +70,27 @@ class DecodeGraphs:
         graph.replay()
         return self.io.logits[:B]
 
-    def _capture(self, Bb: int, n_max: dict[int, int]) -> torch.cuda.CUDAGraph:
+    def restore(self, B: int) -> None:
+        """Replay (capturing first if needed) the rollback of the last verification step (`Runner.restore`)
+        for the padded batch of B rows; the caller has sent the keep counts (`DecodeIO.send_keep`)."""
+        Bb = bucket(B, self.buckets)
+        graph = self.graphs.get(("restore", Bb))
+        if graph is None:
+            graph = self.graphs[("restore", Bb)] = self._capture(Bb, None)
+        graph.replay()
+
+    def _capture(self, Bb: int, n_max: dict[int, int] | None) -> torch.cuda.CUDAGraph:
+        """The step (n_max None: the rollback) of Bb rows, captured on all-padding inputs."""
         io = self.io
-        real = io.device.clone()
+        real, real_keep = io.device.clone(), io.keep_device.clone()
         io.device.copy_(io.pad_device)  # every row a dummy: warm-up writes touch no sequence
-        graph = capture_graph(lambda: self.runner.decode(io, Bb, n_max), self.pool)
+        io.keep_device.fill_(io.T)
+        if n_max is None:
+            graph = capture_graph(lambda: self.runner.restore(io, Bb), self.pool)
+        else:
+            graph = capture_graph(lambda: self.runner.decode(io, Bb, n_max), self.pool)
         io.device.copy_(real)
+        io.keep_device.copy_(real_keep)
         self.captures += 1
         return graph
 

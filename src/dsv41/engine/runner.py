@@ -36,6 +36,7 @@ from torch import Tensor
 
 from dsv41.engine.block_manager import BlockManager
 from dsv41.engine.cache import SequenceCache
+from dsv41.engine.rollback import RollbackState
 from dsv41.kernels import ops
 from dsv41.model.mhc import hc_pre, identity_pre_mix
 from dsv41.model.transformer import Transformer
@@ -177,6 +178,8 @@ class Runner:
         when io.capture_layers is set, the wanted features into io.features (and io.feature_ring) and the
         ratio-m compressors' projections into io.projections. Shapes depend only on (B, n_max): capturable."""
         record = io.record(B, n_max)
+        if io.rollback is not None:  # what the block overwrites, before it does
+            io.rollback.snapshot(record.slots, io.device[io.POS, :B])
         if io.capture_layers or io.projections:
             record.capture = Capture(layers=io.capture_layers, at=io.capture_at, projections=bool(io.projections))
         h, pre_mix = self._layers(record, io.block(B), range(self.config.n_layers))
@@ -195,6 +198,14 @@ class Runner:
                 kv_buf[:B].copy_(kv)
                 score_buf[:B].copy_(score)
         return out
+
+    @torch.no_grad()
+    def restore(self, io: DecodeIO, B: int) -> None:
+        """Undo what the last static step of `io` (rollback=True) wrote past each row's keep count
+        (`io.send_keep`), for its first B rows: device ops only, capturable (`DecodeGraphs.restore`)."""
+        d = io.device
+        io.rollback.restore(d[io.SLOT, :B], d[io.POS, :B], io.keep_device[:B],
+                            {s: (kv[:B], sc[:B]) for s, (kv, sc) in io.projections.items()})
 
     # ------------------------------------------------------------------ the layer stack
     def _layers(self, record: StepRecord, tokens: Tensor, layers: range, h: Tensor | None = None,
@@ -446,7 +457,7 @@ class DecodeIO:
 
     def __init__(self, config, pools: BlockManager, max_batch: int, T: int = 1, *,
                  capture_layers: tuple[int, ...] = (), capture_at: str = "output", projections: bool = False,
-                 feature_ring: Tensor | None = None):
+                 feature_ring: Tensor | None = None, rollback: bool = False):
         if not 1 <= T <= config.window_size:
             raise ValueError(f"a static step of {T} positions per row; 1 <= T <= window_size = {config.window_size}")
         self.config, self.pools, self.max_batch, self.T = config, pools, max_batch, T
@@ -474,6 +485,14 @@ class DecodeIO:
                     D = p.pending_kv.size(-1)
                     self.projections[s] = (torch.zeros(max_batch, T, D, device=device),
                                            torch.zeros(max_batch, T, D, device=device))
+        # the speculative rollback: the step snapshots what it overwrites; `Runner.restore` undoes the
+        # positions past each row's keep count (a pinned host mirror, sent after acceptance)
+        self.rollback = RollbackState(pools, max_batch, T) if rollback else None
+        if rollback and not self.projections and self.rollback.pending:
+            raise ValueError("DecodeIO(rollback=True) needs projections=True: partial groups are rebuilt from them")
+        self.keep_host = torch.full((max_batch,), T, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.keep_device = torch.full((max_batch,), T, dtype=torch.long, device=device)
+        self._keep_sent = torch.cuda.Event() if device.type == "cuda" else None
         self.pad(0)
         self.pad_device = self.host.to(device, copy=True)  # every row padding (graph warm-up)
 
@@ -529,6 +548,16 @@ class DecodeIO:
         """Host buffer and changed page tables → device (non-blocking; ordered before the step)."""
         self.device.copy_(self.host, non_blocking=True)
         self.pools.sync_tables()
+
+    def send_keep(self, keep: list[int]) -> None:
+        """Rows [0, B) keep their first keep[b] block positions (`Runner.restore`); padding rows keep all T."""
+        if self._keep_sent is not None:
+            self._keep_sent.synchronize()  # the last copy out of the pinned buffer is done (at once, normally)
+        v = self.keep_host.numpy()
+        v[:len(keep)], v[len(keep):] = keep, self.T
+        self.keep_device.copy_(self.keep_host, non_blocking=True)
+        if self._keep_sent is not None:
+            self._keep_sent.record()
 
     def max_entries(self, B: int) -> dict[int, int]:
         return {s: int(self.view[self.CNT[s], :B].max()) if B else 0 for s in self.sources}

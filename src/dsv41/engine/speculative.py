@@ -44,6 +44,7 @@ from torch import Tensor
 from dsv41.engine.block_manager import BlockManager
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.prefill import PrefillJob
+from dsv41.engine.rollback import RollbackState
 from dsv41.engine.runner import Runner
 from dsv41.engine.sampling import SamplingParams, sampling_probs
 from dsv41.model.transformer import Transformer
@@ -159,61 +160,37 @@ def choose_lengths(confidences: Sequence[Sequence[float]], caps: Sequence[int],
 
 # ---------------------------------------------------------------------------------------------- rollback
 class VerifyRollback:
-    """Snapshot of the per-slot state a verification block of T positions overwrites, for B rows.
+    """Snapshot of the per-slot state a verification block of T positions overwrites, for B rows (the
+    host-driven verification; the static one snapshots inside its step, `DecodeIO(rollback=True)`).
 
     Taken before the forward: the T ring slots of every layer (FP8 rows and positions) and the partial
-    groups of every ratio-m source. `restore(keep)` then makes each row look as if only its first
-    keep[b] block tokens had run: ring slots of the dropped positions get their old rows back, the
-    partial group is rebuilt for the new token count (older members from the snapshot, kept members
-    from the forward's projections), and the cache is truncated (entries, index keys, tokens, pages)."""
+    groups of every ratio-m source (`rollback.RollbackState`). `restore(keep)` then makes each row look as
+    if only its first keep[b] block tokens had run: ring slots of the dropped positions get their old rows
+    back, the partial group is rebuilt for the new token count (older members from the snapshot, kept
+    members from the forward's projections), and the cache is truncated (entries, index keys, tokens, pages)."""
 
     def __init__(self, pools: BlockManager, caches: list[SequenceCache], starts: list[int], T: int):
-        W = pools.window
-        if T > W:
-            raise ValueError(f"a verification block of {T} positions is longer than the window ({W})")
-        self.pools, self.caches, self.T = pools, caches, T
+        self.pools, self.caches, self.T, self.starts = pools, caches, T, list(starts)
+        self.state = RollbackState(pools, max(len(caches), 1), T)
         device = pools.device
         self.slots = torch.tensor([c.slot for c in caches], device=device)
-        self.starts = torch.tensor(starts, device=device)
-        positions = self.starts.unsqueeze(1) + torch.arange(T, device=device)  # (B, T)
-        self.flat = (self.slots.unsqueeze(1) * W + positions % W).view(-1)  # (B·T,) ring rows the block writes
-        L = pools.ring_rows.size(0)
-        self.ring = pools.ring_rows.view(L, -1, pools.ring_bytes)[:, self.flat].clone()  # (L, B·T, bytes)
-        self.ring_pos = pools.ring_positions.view(L, -1)[:, self.flat].clone()  # (L, B·T)
-        self.pending = {s: (p.pending_kv[self.slots].clone(), p.pending_score[self.slots].clone())
-                        for s, p in pools.sources.items() if p.pending_kv is not None}  # (B, m − 1, D)
+        self.starts_t = torch.tensor(starts, device=device)
+        self.state.snapshot(self.slots, self.starts_t)
 
     def restore(self, keep: list[int], projections: dict[int, tuple[Tensor, Tensor]]) -> None:
         """Keep the first keep[b] ∈ [0, T] block tokens of row b. `projections`: source → (kv, score)
         (B, T, D) of the block (`Capture.kv_projections`), needed when a kept token joins a partial group."""
-        pools, T, device = self.pools, self.T, self.pools.device
-        L = pools.ring_rows.size(0)
-        keep_t = torch.tensor(keep, device=device)
-        dropped = (torch.arange(T, device=device).unsqueeze(0) >= keep_t.unsqueeze(1)).view(-1)  # (B·T,)
-        rows = self.flat[dropped]
-        pools.ring_rows.view(L, -1, pools.ring_bytes)[:, rows] = self.ring[:, dropped]
-        pools.ring_positions.view(L, -1)[:, rows] = self.ring_pos[:, dropped]
-        end = self.starts + keep_t  # (B,) token count after the rollback
-        B = len(self.caches)
-        for s, (snap_kv, snap_score) in self.pending.items():
-            p = pools.sources[s]
+        for s, p in self.pools.sources.items():
+            if p.pending_kv is None or s in projections:
+                continue
             m = p.ratio
-            group_start = end - end % m  # first position of the unfinished group
-            proj = projections.get(s)
-            for i in range(m - 1):  # member i sits at position group_start + i
-                pos = group_start + i
-                old = pos < self.starts  # ran before the block: its projection is in the snapshot
-                kv, score = snap_kv[:, i], snap_score[:, i]
-                if proj is not None:
-                    j = (pos - self.starts).clamp(0, T - 1)
-                    b = torch.arange(B, device=device)
-                    kv = torch.where(old.unsqueeze(1), kv, proj[0][b, j])
-                    score = torch.where(old.unsqueeze(1), score, proj[1][b, j])
-                elif not bool(old[i < end % m].all()):  # a live member that ran in the block
-                    raise ValueError(f"restore: source {s} needs the block's projections to rebuild its partial group")
-                p.pending_kv[self.slots, i] = kv
-                p.pending_score[self.slots, i] = score
-        for cache, start, n in zip(self.caches, self.starts.tolist(), keep):
+            if any((start + n) % m and n for start, n in zip(self.starts, keep)):  # a live member ran in the block
+                raise ValueError(f"restore: source {s} needs the block's projections to rebuild its partial group")
+        projections = dict(projections)
+        for s, (kv, _) in self.state.pending.items():  # sources no kept token joined: the snapshot is whole
+            projections.setdefault(s, (kv.new_zeros(len(self.caches), self.T, kv.size(-1)),) * 2)
+        self.state.restore(self.slots, self.starts_t, torch.tensor(keep, device=self.pools.device), projections)
+        for cache, start, n in zip(self.caches, self.starts, keep):
             cache.truncate(start + n)
 
 
