@@ -10,8 +10,11 @@ pool, no slots, no padding. On a tiny random drafter (fp32, CPU):
   (b) the padded static propose drafts what the reference drafts (tokens equal, confidences 1e-6) for
       batches of 1, 3, 5 with observed counts below and past the window;
   (c) a finished sequence's slot is reused (its stale ring rows are masked), a full pool is a clear error;
-  (d) padding rows and dropped positions touch only the dummy slot, and garbage there changes no live row.
-The GPU test: CUDA-graph replay = eager propose (fp32 and bf16), and a replayed propose makes no host sync.
+  (d) padding rows and dropped positions touch only the dummy slot, and garbage there changes no live row;
+  (e) the hand-over's commit padded to the graph shapes (Bb > B, Tb > T, stale rows full of garbage) leaves
+      every live ring bit-equal and every count equal to the unpadded commit.
+The GPU tests: CUDA-graph replay = eager propose (fp32 and bf16), graphed observe_many = eager (fp32 bit-equal,
+bf16 1e-2) over successive calls of other B, T and keep, and neither replay makes a host sync.
 """
 
 from __future__ import annotations
