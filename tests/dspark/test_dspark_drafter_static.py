@@ -10,8 +10,11 @@ pool, no slots, no padding. On a tiny random drafter (fp32, CPU):
   (b) the padded static propose drafts what the reference drafts (tokens equal, confidences 1e-6) for
       batches of 1, 3, 5 with observed counts below and past the window;
   (c) a finished sequence's slot is reused (its stale ring rows are masked), a full pool is a clear error;
-  (d) padding rows and dropped positions touch only the dummy slot, and garbage there changes no live row.
-The GPU test: CUDA-graph replay = eager propose (fp32 and bf16), and a replayed propose makes no host sync.
+  (d) padding rows and dropped positions touch only the dummy slot, and garbage there changes no live row;
+  (e) the hand-over's commit padded to the graph shapes (Bb > B, Tb > T, stale rows full of garbage) leaves
+      every live ring bit-equal and every count equal to the unpadded commit.
+The GPU tests: CUDA-graph replay = eager propose (fp32 and bf16), graphed observe_many = eager (fp32 bit-equal,
+bf16 1e-2) over successive calls of other B, T and keep, and neither replay makes a host sync.
 """
 
 from __future__ import annotations
@@ -279,6 +282,55 @@ def test_padding_rows_and_dropped_positions_touch_only_the_dummy_slot():
     assert static.observed_host[static.slot(1)] == 3 and int(static.observed[static.dummy]) == 0
 
 
+@torch.no_grad()
+def test_padded_commit_step_leaves_every_live_ring_and_count_as_the_unpadded_commit():
+    """The graph shapes on the CPU: commits padded to (batch bucket Bb > B, power of two Tb > T), padding rows
+    and stale rows-buffer positions full of garbage, against the unpadded eager commit — live rings bit-equal
+    (fp32) and counts equal. One intra-op thread and ≥ 4 live rows per product: MKL's last bit then does not
+    depend on how many rows share the product (measured: it does for 1-3 rows, and on 2 threads)."""
+    _, drafter = _models(seed=90)
+    g = torch.Generator().manual_seed(91)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eager, padded = DSparkDrafter(drafter, max_sequences=8), DSparkDrafter(drafter, max_sequences=8)
+        padded._pad = True  # what a CUDA drafter does (graphed or not)
+        shapes = []
+        step = padded._commit_step
+        padded._commit_step = lambda Bb, Tb: (shapes.append((Bb, Tb)), step(Bb, Tb))
+        seqs = [3, 0, 6, 1, 5, 2, 4]
+        for s, n in zip(seqs, (2, WINDOW + 3, 5, 3 * WINDOW, 1, WINDOW - 1, 2 * WINDOW + 5)):
+            _prefill([eager, padded], s, n, drafter, g)
+        padded._rows.normal_(0, 50.0, generator=g)  # stale rows: large and finite, must be masked by count
+        for ring in padded.rings:
+            ring[padded.dummy].normal_(0, 50.0, generator=g)
+        below = above = False
+        for i, (B, T) in enumerate(((3, 3), (5, 6), (7, 5), (6, 7), (3, WINDOW + 3), (5, 3))):
+            ids = [seqs[j] for j in torch.randperm(len(seqs), generator=g)[:B].tolist()]
+            keep = torch.randint(0, T + 1, (B,), generator=g).tolist()
+            keep[0], keep[-1] = 0, T
+            tokens = torch.randint(17, 16384, (B, T), generator=g)
+            feats = _features(drafter, (B, T), g)
+            shapes.clear()
+            for d in (eager, padded):
+                d.observe_many(ids, tokens, feats, keep)
+            (Bb, Tb), = shapes
+            assert Bb > B and (Tb > T or T > WINDOW), (B, T, Bb, Tb)
+            live = eager.dummy
+            for k, (got, want) in enumerate(zip(padded.rings, eager.rings)):
+                if not torch.equal(got[:live], want[:live]):
+                    err = (got[:live] - want[:live]).abs().max().item()
+                    raise AssertionError(f"step {i} (B={B}, T={T} at {Bb}×{Tb}) stage {k}: live rings differ, "
+                                         f"max err {err:.3e}")
+            assert torch.equal(padded.observed[:live], eager.observed[:live]), (padded.observed, eager.observed)
+            assert padded.observed_host[:live] == eager.observed_host[:live]
+            counts = [eager.observed_host[eager.slot(s)] for s in ids]
+            below, above = below or min(counts) < WINDOW, above or max(counts) > WINDOW
+        assert below and above
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bad_observe_many_input_is_a_clear_error():
     _, drafter = _models(seed=70)
     static = DSparkDrafter(drafter, max_sequences=2)
@@ -349,3 +401,84 @@ def test_graph_replay_equals_eager_propose_and_makes_no_host_sync(dtype):
             timings[(name, B)] = (time.perf_counter() - t0) / 20 * 1e3
     assert graphed.graphs.captures == 4  # buckets 1, 4, 8, 16
     print(f"\n{dtype} propose ms: " + ", ".join(f"{n} B={B}: {ms:.2f}" for (n, B), ms in timings.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_graphed_observe_many_equals_eager_and_its_replay_makes_no_host_sync(dtype):
+    """The hand-over replayed from CUDA graphs (one per (Bb, Tb)) against the same padded commit run eagerly:
+    rings and counts after every call of a sequence of calls with other B, T and keep; features handed over
+    as the engine does (fp32 views of one persistent buffer, cast into the drafter dtype)."""
+    _, drafter = _models(seed=100)
+    drafter.to("cuda", dtype)
+    graphed = DSparkDrafter(drafter, max_sequences=16)
+    eager = DSparkDrafter(drafter, max_sequences=16, cuda_graphs=False)
+    assert graphed.observe_graphs is not None and eager.observe_graphs is None
+    assert graphed.graphs.pool is graphed.observe_graphs.pool  # one pool for the drafter's graphs
+    replays = []
+    run = graphed.observe_graphs.run
+
+    def checked_run(*key):
+        if key not in graphed.observe_graphs.graphs:  # the capture may sync
+            return run(*key)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run(*key)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        replays.append(key)
+
+    graphed.observe_graphs.run = checked_run
+    g = torch.Generator().manual_seed(101)
+    ids = list(range(11))
+    for s in ids:
+        n = int(torch.randint(1, 4 * WINDOW, (1,), generator=g))
+        tokens = torch.randint(17, 16384, (n,), generator=g).cuda()
+        feats = {i: f.cuda() for i, f in _features(drafter, (min(n, WINDOW + 2),), g).items()}  # fp32
+        for d in (graphed, eager):
+            d.start(s)
+            d.observe(s, tokens, feats)
+    K1 = drafter.block_size + 1  # a verification's block
+    buffer = torch.zeros(len(drafter.target_layer_ids), 16, WINDOW + 3, drafter.config.dim, device="cuda")
+    worst, live = 0.0, graphed.dummy
+    schedule = [(1, K1), (3, K1), (8, K1), (11, K1), (1, K1), (3, 2), (3, K1), (11, WINDOW), (8, K1), (5, 3),
+                (11, K1), (5, WINDOW + 3), (1, 1), (1, K1)]
+    for step, (B, T) in enumerate(schedule):
+        batch = [ids[j] for j in torch.randperm(len(ids), generator=g)[:B].tolist()]
+        keep = torch.randint(0, T + 1, (B,), generator=g).tolist()
+        keep[0] = T  # both ends every call of more than one row
+        if B > 1:
+            keep[-1] = 0
+        tokens = torch.randint(17, 16384, (B, T), generator=g).cuda()
+        buffer.normal_()
+        feats = {layer: buffer[j, :B, :T] for j, layer in enumerate(drafter.target_layer_ids)}  # (B, T, dim) fp32
+        for d in (graphed, eager):
+            d.observe_many(batch, tokens, feats, keep)
+        for k, (got, want) in enumerate(zip(graphed.rings, eager.rings)):
+            if dtype == torch.float32 and not torch.equal(got[:live], want[:live]):
+                err = (got[:live] - want[:live]).abs().max().item()
+                raise AssertionError(f"step {step} (B={B}, T={T}) stage {k}: graphed rings ≠ eager, max err {err:.3e}")
+            assert_close(got[:live].float(), want[:live].float(), rtol=BF16_RTOL, atol=BF16_RTOL,
+                         what=f"step {step} stage {k} {dtype}")
+            worst = max(worst, (got[:live].float() - want[:live].float()).abs().max().item())
+        assert torch.equal(graphed.observed[:live], eager.observed[:live]), (step, graphed.observed, eager.observed)
+        assert graphed.observed_host == eager.observed_host
+        assert graphed.observed[:live].tolist() == graphed.observed_host[:live]
+    assert len(replays) >= 6, replays  # the repeated shapes replayed, under the sync check
+    timings = {}
+    for B in (1, 8):
+        batch, keep = ids[:B], [3] * B
+        feats = {layer: buffer[j, :B, :K1] for j, layer in enumerate(drafter.target_layer_ids)}
+        tokens = torch.randint(17, 16384, (B, K1), generator=g).cuda()
+        for name, d in (("eager", eager), ("graph", graphed)):
+            d.observe_many(batch, tokens, feats, keep)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                d.observe_many(batch, tokens, feats, keep)
+            torch.cuda.synchronize()
+            timings[(name, B)] = (time.perf_counter() - t0) / 20 * 1e3
+    print(f"\n{dtype} graphed vs eager rings max |err| {worst:.2e}; observe_many ms: "
+          + ", ".join(f"{n} B={B}: {ms:.3f}" for (n, B), ms in timings.items()))

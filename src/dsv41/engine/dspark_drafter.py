@@ -33,8 +33,15 @@ Key idea of `propose`: it is a function of persistent buffers only — the slots
 (B, 1, W, D) windows the training form gathers from a row (so drafting equals `DSpark.forward` on the
 whole sequence, tests/dspark/test_dspark_attention.py), padded to a batch bucket, with no host read
 and no data-dependent branch. Greedy drafting on CUDA therefore replays a CUDA graph per bucket
-(`ProposeGraphs`); on the CPU the same function runs eagerly. Sampled drafting (temperature > 0) stays
+(`StepGraphs`); on the CPU the same function runs eagerly. Sampled drafting (temperature > 0) stays
 eager and unpadded: `torch.multinomial` with a host generator is not capturable.
+
+The hand-over (`observe`, `observe_many`) is static the same way: `_commit` packs slot / start / count
+(one copy), copies the features into a persistent rows buffer in the drafter dtype (one copy per target
+layer), and `_commit_step(Bb, Tb)` — main_x, every stage's keys, one indexed write per ring, the counts —
+reads only those buffers. On CUDA it is padded to (batch bucket, next power of two ≥ T, at most W) and
+replayed from a graph per (Bb, Tb) at any temperature (nothing in it is random), sharing the propose
+graphs' pool; on the CPU it runs eagerly and unpadded.
 """
 
 from __future__ import annotations
@@ -85,32 +92,34 @@ class _PackedInputs:
         return self.device
 
 
-class ProposeGraphs:
-    """CUDA graphs of the static greedy propose, one per batch bucket (engine/graphs.py's DecodeGraphs for
-    the drafter). `step(Bb)` reads only persistent buffers — the rows from `inputs` — and writes persistent
-    outputs; `padding` is `inputs` with every row a padding row. Capture: two warm-up runs on a side stream
-    on padding rows (kernels compiled and loaded, lazy probes run, outside the capture), then the capture
-    into a pool shared by all buckets; the real inputs are restored before the first replay."""
+class StepGraphs:
+    """CUDA graphs of one static step of the drafter, one per shape key (engine/graphs.py's DecodeGraphs for
+    the drafter): `step(*key)` reads only persistent buffers — its rows from `inputs` — and writes only
+    persistent state or outputs; `padding` is `inputs` with every row a padding row. Capture
+    (`graphs.capture_graph`): two warm-up runs on a side stream on padding rows (kernels compiled and loaded,
+    lazy probes run, outside the capture), then the capture into `pool`; the real inputs are restored before
+    the first replay. The drafter's propose and observe graphs share one pool: they never run concurrently
+    and nothing allocated inside a replay outlives it."""
 
-    def __init__(self, step: Callable[[int], None], inputs: Tensor, padding: Tensor):
+    def __init__(self, step: Callable[..., None], inputs: Tensor, padding: Tensor, pool: tuple | None = None):
         if inputs.device.type != "cuda":
-            raise ValueError("ProposeGraphs: CUDA graphs need the drafter on a CUDA device")
+            raise ValueError("DSparkDrafter: CUDA graphs need the drafter on a CUDA device")
         self.step, self.inputs, self.padding = step, inputs, padding
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         self.captures = 0
 
-    def run(self, Bb: int) -> None:
-        """Replay (capturing first if needed) the step of a padded batch of Bb rows."""
-        graph = self.graphs.get(Bb)
+    def run(self, *key: int) -> None:
+        """Replay (capturing first if needed) the step of the padded shape `key`."""
+        graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[Bb] = self._capture(Bb)
+            graph = self.graphs[key] = self._capture(key)
         graph.replay()
 
-    def _capture(self, Bb: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: tuple[int, ...]) -> torch.cuda.CUDAGraph:
         real = self.inputs.clone()
-        self.inputs.copy_(self.padding)  # warm-up rows are padding: nothing of a sequence is read
-        graph = capture_graph(lambda: self.step(Bb), self.pool)
+        self.inputs.copy_(self.padding)  # warm-up rows are padding: nothing of a sequence is read or written
+        graph = capture_graph(lambda: self.step(*key), self.pool)
         self.inputs.copy_(real)
         self.captures += 1
         return graph
@@ -119,9 +128,11 @@ class ProposeGraphs:
 class DSparkDrafter:
     """`Drafter` of the engine backed by a trained DSpark (bound to the engine's backbone).
 
-    max_sequences = sequences started at once (drafter slots); cuda_graphs: replay greedy proposals from
-    CUDA graphs (default: on CUDA; never for temperature > 0). With graphs, the drafter's MoE layers
-    with n_routed ≤ 4·topk switch to the static "dense" dispatch, as `Engine` does for the backbone."""
+    max_sequences = sequences started at once (drafter slots); cuda_graphs: replay the hand-over
+    (`observe` / `observe_many`) and greedy proposals from CUDA graphs (default: on CUDA; proposals never
+    for temperature > 0, the hand-over at any temperature: nothing in it is random). With propose graphs,
+    the drafter's MoE layers with n_routed ≤ 4·topk switch to the static "dense" dispatch, as `Engine` does
+    for the backbone (the hand-over runs no MoE)."""
 
     features_at = "input"  # the engine's Capture(at="input"): the streams entering each target block
     SLOT, ANCHOR = 0, 1  # fields of the propose inputs
@@ -150,14 +161,24 @@ class DSparkDrafter:
         self._ring_slot = torch.arange(W, device=ref.device)  # (W,)
         self._propose_in = _PackedInputs(2, max_sequences, ref.device)
         self._observe_in = _PackedInputs(3, max_sequences, ref.device)
+        # the hand-over's feature rows, flat so that every (Bb, Tb) block is a contiguous view (`_block_rows`);
+        # at most W positions per row land in a ring, so W is the most one commit needs per row
+        self._rows = torch.zeros(max_sequences * W, len(self.drafter.target_layer_ids) * drafter.config.dim,
+                                 dtype=ref.dtype, device=ref.device)  # (max_sequences·W, n_targets·dim)
+        self._pad = ref.device.type == "cuda"  # commits padded to (batch bucket, power of two): graph shapes
         self._out_tokens = torch.zeros(max_sequences, self.k, dtype=torch.long, device=ref.device)
         self._out_confidence = torch.zeros(max_sequences, self.k, dtype=torch.float32, device=ref.device)
-        use_graphs = (ref.device.type == "cuda" if cuda_graphs is None else cuda_graphs) and temperature <= 0
-        self.graphs: ProposeGraphs | None = None
+        use_graphs = ref.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs: StepGraphs | None = None  # the greedy propose, keyed by (Bb,)
+        self.observe_graphs: StepGraphs | None = None  # the hand-over's commit, keyed by (Bb, Tb)
         if use_graphs:
+            padding = torch.zeros_like(self._observe_in.device)
+            padding[0] = self.dummy  # slot = dummy, start 0, count 0: every position to the dummy slot
+            self.observe_graphs = StepGraphs(self._commit_step, self._observe_in.device, padding)
+        if use_graphs and temperature <= 0:
             padding = torch.zeros_like(self._propose_in.device)
             padding[self.SLOT] = self.dummy  # anchor token 0 at position 0 of the dummy slot
-            self.graphs = ProposeGraphs(self._greedy_step, self._propose_in.device, padding)
+            self.graphs = StepGraphs(self._greedy_step, self._propose_in.device, padding, self.observe_graphs.pool)
             for moe in drafter.moe_layers():  # capturable MoE dispatch: every expert on every token
                 if moe.n_routed <= 4 * moe.topk:
                     moe.moe_impl = "dense"
@@ -196,13 +217,15 @@ class DSparkDrafter:
         n = int(tokens.numel())
         if n == 0:
             return
-        rows = self._feature_rows(features, None)  # (m, n_targets·dim)
-        m = rows.size(0)
-        if m > n:
-            raise ValueError(f"DSparkDrafter.observe: features of {m} positions for {n} tokens")
+        parts = self._feature_parts(features)  # [(m, dim)] per target layer
+        m = parts[0].size(0)
+        if any(p.dim() != 2 or p.size(0) != m for p in parts) or m > n:
+            shapes = [tuple(p.shape) for p in parts]
+            raise ValueError(f"DSparkDrafter.observe: features of shapes {shapes} for {n} tokens, (m ≤ n, dim) "
+                             "expected")
         keep = min(m, self.window)  # older positions fall out of every ring anyway
         first = self.observed_host[slot] + n - keep  # position of the first kept row
-        self._commit([slot], [first], rows[m - keep:].unsqueeze(0), [keep])  # (1, keep, n_targets·dim)
+        self._commit([slot], [first], [p[m - keep:].unsqueeze(0) for p in parts], [keep])  # [(1, keep, dim)]
 
     @torch.no_grad()
     def observe_many(self, seq_ids: list[int], tokens: Tensor, features: dict[int, Tensor],
@@ -222,43 +245,80 @@ class DSparkDrafter:
         slots = [self.slot(s) for s in seq_ids]
         if not any(keep):
             return
-        rows = self._feature_rows(features, (B, T))  # (B, T, n_targets·dim)
-        self._commit(slots, [self.observed_host[s] for s in slots], rows, keep)
+        parts = self._feature_parts(features)  # [(B, T, dim)] per target layer
+        if any(tuple(p.shape[:2]) != (B, T) or p.dim() != 3 for p in parts):
+            shapes = [tuple(p.shape) for p in parts]
+            raise ValueError(f"DSparkDrafter.observe_many: features of shapes {shapes}, ({B}, {T}, dim) expected")
+        self._commit(slots, [self.observed_host[s] for s in slots], parts, keep)
 
-    def _feature_rows(self, features: dict[int, Tensor], lead: tuple[int, int] | None) -> Tensor:
-        """The target layers' features concatenated: (..., n_targets·dim), leading dims checked."""
+    def _feature_parts(self, features: dict[int, Tensor]) -> list[Tensor]:
+        """The target layers' features in target order (the column blocks of a feature row), dims checked."""
         missing = [i for i in self.drafter.target_layer_ids if i not in features]
         if missing:
             raise KeyError(f"DSparkDrafter: features of target layers {missing} missing")
         parts = [features[i] for i in self.drafter.target_layer_ids]
-        if lead is not None and any(tuple(p.shape[:2]) != lead or p.dim() != 3 for p in parts):
-            shapes = [tuple(p.shape) for p in parts]
-            raise ValueError(f"DSparkDrafter.observe_many: features of shapes {shapes}, ({lead[0]}, {lead[1]}, dim) "
-                             "expected")
-        return torch.cat(parts, dim=-1)
+        dim = self.drafter.config.dim
+        if any(p.size(-1) != dim for p in parts):
+            raise ValueError(f"DSparkDrafter: features of shapes {[tuple(p.shape) for p in parts]}, last dim "
+                             f"{dim} expected")
+        return parts
 
-    def _commit(self, slots: list[int], starts: list[int], rows: Tensor, counts: list[int]) -> None:
-        """Row b's positions starts[b] + t, t < counts[b], get the context keys of rows[b, t] (rows (B, T, F));
-        then the slot has observed starts[b] + counts[b] positions. One packed copy, one batched forward."""
-        B, T = rows.shape[:2]
+    def _commit(self, slots: list[int], starts: list[int], parts: list[Tensor], counts: list[int]) -> None:
+        """Row b's positions starts[b] + t, t < counts[b], get the context keys of its feature row t (parts:
+        per target layer (B, T, dim)); then the slot has observed starts[b] + counts[b] positions. One packed
+        host → device copy, one copy per target into the rows buffer, one `_commit_step` (a graph replay)."""
+        B, T = parts[0].shape[:2]
         W = self.window
+        if T > W:  # only a row's last W kept positions can land (never from the engine): shift to that window
+            offsets = [max(0, n - W) for n in counts]
+            starts = [s + o for s, o in zip(starts, offsets)]
+            counts = [n - o for n, o in zip(counts, offsets)]
+            index = torch.tensor(offsets).unsqueeze(1) + torch.arange(W)  # (B, W)
+            rows_of = torch.arange(B).unsqueeze(1)  # (B, 1)
+            parts = [p[rows_of.to(p.device), index.to(p.device)] for p in parts]  # [(B, W, dim)]
+            T = W
+        if self._pad:  # the shapes a graph is keyed by
+            Bb, Tb = bucket(B, self.buckets), min(W, 1 << max(T - 1, 0).bit_length())
+        else:
+            Bb, Tb = B, max(T, 1)
         v = self._observe_in.host()
         v[0, :B], v[self.START, :B], v[self.COUNT, :B] = slots, starts, counts
-        d = self._observe_in.send()
-        slot, start, count = (d[f, :B].unsqueeze(1) for f in (0, self.START, self.COUNT))  # (B, 1) each
-        if T:
-            t = torch.arange(T, device=self.device)  # (T,)
-            positions = start + t  # (B, T)
-            # kept, and not overwritten by a later position of the same row (only the last W land)
-            written = (t < count) & (t >= count - W)  # (B, T)
-            target = torch.where(written, slot * W + positions % W, self.dummy * W + t % W).reshape(-1)  # (B·T,)
-            main_x = self.drafter.main_x(rows.to(self.device, self.dtype))  # (B, T, dim)
-            for ring, kv in zip(self.rings, self.drafter.context_keys(main_x, positions)):
-                flat = ring.view(-1, ring.size(-1))  # ((max_sequences + 1)·W, D)
-                flat.index_copy_(0, target, kv.reshape(B * T, -1).to(ring.dtype))  # (B·T, D)
-        self.observed.index_copy_(0, d[0, :B], d[self.START, :B] + d[self.COUNT, :B])
+        v[0, B:], v[self.START, B:], v[self.COUNT, B:] = self.dummy, 0, 0  # padding rows
+        self._observe_in.send()
+        rows = self._block_rows(Bb, Tb)  # (Bb, Tb, n_targets·dim); rows ≥ B and positions ≥ T stay stale
+        dim = self.drafter.config.dim
+        for j, part in enumerate(parts):  # cast to the drafter dtype as `.to(dtype)` does
+            rows[:B, :T, j * dim:(j + 1) * dim].copy_(part)
+        if self.observe_graphs is not None:
+            self.observe_graphs.run(Bb, Tb)
+        else:
+            self._commit_step(Bb, Tb)
         for s, first, n in zip(slots, starts, counts):
             self.observed_host[s] = first + n
+
+    def _block_rows(self, Bb: int, Tb: int) -> Tensor:
+        """The rows buffer as a contiguous (Bb, Tb, n_targets·dim) block (its layout depends on Tb)."""
+        return self._rows[:Bb * Tb].view(Bb, Tb, -1)  # (Bb, Tb, n_targets·dim)
+
+    @torch.no_grad()
+    def _commit_step(self, Bb: int, Tb: int) -> None:
+        """The static commit of Bb rows of Tb positions (what a CUDA graph captures): feature rows from the
+        rows buffer, slot / start / count from the packed inputs (padding rows: the dummy slot, count 0).
+        Position t of row b lands at ring row start + t mod W of its slot when count − W ≤ t < count, else in
+        the dummy slot; then observed[slot] = start + count. Device ops only, shapes fixed by (Bb, Tb)."""
+        W = self.window
+        d = self._observe_in.device
+        slot, start, count = (d[f, :Bb].unsqueeze(1) for f in (0, self.START, self.COUNT))  # (Bb, 1) each
+        t = self._ring_slot[:Tb]  # (Tb,) = arange(Tb): Tb ≤ W
+        positions = start + t  # (Bb, Tb)
+        # kept, and not overwritten by a later position of the same row (only the last W land)
+        written = (t < count) & (t >= count - W)  # (Bb, Tb)
+        target = torch.where(written, slot * W + positions % W, self.dummy * W + t % W).reshape(-1)  # (Bb·Tb,)
+        main_x = self.drafter.main_x(self._block_rows(Bb, Tb))  # (Bb, Tb, dim)
+        for ring, kv in zip(self.rings, self.drafter.context_keys(main_x, positions)):
+            flat = ring.view(-1, ring.size(-1))  # ((max_sequences + 1)·W, D)
+            flat.index_copy_(0, target, kv.reshape(Bb * Tb, -1).to(ring.dtype))  # (Bb·Tb, D)
+        self.observed.index_copy_(0, d[0, :Bb], d[self.START, :Bb] + d[self.COUNT, :Bb])
 
     # ------------------------------------------------------------------ drafting
     @torch.no_grad()
