@@ -312,12 +312,12 @@ class Engine:
         B = len(caches)
         io.fill_batch(caches, tokens)
         n_entries = io.max_entries(B)
+        Bb, n_max = graphs.shape(B, n_entries) if graphs is not None else (B, n_entries)
+        io.pad(B, Bb)
+        io.send()
+        if drafts is not None:
+            io.device[io.TOK + 1:io.TOK + io.T, :B].copy_(drafts.t())
         if graphs is not None:
-            Bb, n_max = graphs.shape(B, n_entries)
-            io.pad(B, Bb)
-            io.send()
-            if drafts is not None:
-                io.device[io.TOK + 1:io.TOK + io.T, :B].copy_(drafts.t())
             try:
                 return graphs.run(B, n_max)
             except RuntimeError as err:  # a kernel that cannot be captured: run eagerly from now on
@@ -325,9 +325,6 @@ class Engine:
                 self.graphs = self.vgraphs = None
                 torch.cuda.synchronize()
                 return self.runner.decode(io, Bb, n_max)[:B]
-        io.send()
-        if drafts is not None:
-            io.device[io.TOK + 1:io.TOK + io.T, :B].copy_(drafts.t())
         return self.runner.decode(io, B, n_entries)
 
     def _decode(self, seqs: list[Sequence]) -> Tensor:
@@ -436,30 +433,10 @@ class Engine:
             entry[0], entry[1] = 0.9 * entry[0] + 0.1 * t, 0.9 * entry[1] + 0.1 * n
         self._plain_run[Bb] = self._plain_run.get(Bb, 0) + 1 if kind == "plain" else 0
 
-    def _propose(self, seqs: list[Sequence]):
-        """The drafter's proposal for the batch, checked (None when it fails: the step verifies no draft),
-        and its confidences on the host."""
-        k, B = self.drafter.k, len(seqs)
-        try:
-            prop = self.drafter.propose([s.id for s in seqs], torch.tensor([s.next_token for s in seqs],
-                                                                            device=self.device))
-            if tuple(prop.tokens.shape) != (B, k) or tuple(prop.confidence.shape) != (B, k):
-                raise ValueError(f"proposal shapes {tuple(prop.tokens.shape)}, {tuple(prop.confidence.shape)}; "
-                                 f"({B}, {k}) expected")
-            tokens = prop.tokens.long()
-            if bool(((tokens < 0) | (tokens >= self.config.vocab_size)).any()):
-                raise ValueError("proposal holds token ids outside the vocabulary")
-            if prop.probs is not None and tuple(prop.probs.shape) != (B, k, self.config.vocab_size):
-                raise ValueError(f"proposal probs of shape {tuple(prop.probs.shape)}")
-            confidence = prop.confidence.float().clamp(0, 1).tolist()
-        except Exception:  # noqa: BLE001 - a broken drafter costs speed, never correctness
-            log.exception("the drafter failed; this step verifies no drafts")
-            return None, None
-        return prop, confidence
-
-    def _propose_on_device(self, seqs: list[Sequence]):
-        """The drafter's proposal for the static step, checked on the host only where that needs no wait
-        (shapes); token ids are checked after the forward (`_fetch_proposal`). None when the drafter fails."""
+    def _propose(self, seqs: list[Sequence], *, wait: bool = True):
+        """The drafter's proposal for the batch, its shapes checked (None when it fails), and with `wait` its
+        token ids checked and its confidences on the host; without (the static step), both come after the
+        forward (`_fetch_proposal`), so nothing waits for the drafter here."""
         k, B = self.drafter.k, len(seqs)
         try:
             self._anchors.numpy()[:B] = [s.next_token for s in seqs]
@@ -469,10 +446,16 @@ class Engine:
                                  f"({B}, {k}) expected")
             if prop.probs is not None and tuple(prop.probs.shape) != (B, k, self.config.vocab_size):
                 raise ValueError(f"proposal probs of shape {tuple(prop.probs.shape)}")
+            if not wait:
+                return prop, None
+            tokens = prop.tokens.long()
+            if bool(((tokens < 0) | (tokens >= self.config.vocab_size)).any()):
+                raise ValueError("proposal holds token ids outside the vocabulary")
+            confidence = prop.confidence.float().clamp(0, 1).tolist()
         except Exception:  # noqa: BLE001 - a broken drafter costs speed, never correctness
-            log.exception("the drafter failed; this step decodes plainly")
-            return None
-        return prop
+            log.exception("the drafter failed; this step verifies no drafts")
+            return None, None
+        return prop, confidence
 
     def _anchors_device(self, B: int) -> Tensor:
         """Each row's pending token on the device: one copy from the pinned host mirror."""
@@ -480,20 +463,21 @@ class Engine:
         out.copy_(self._anchors[:B], non_blocking=True)
         return out
 
-    def _fetch_proposal(self, prop) -> tuple[list[list[int]], list[bool], list[list[float]]]:
-        """After the verification step: the drafts the step ran (ids outside the vocabulary were clamped
-        into it — such a row verifies nothing), per row whether its ids were valid, and the confidences."""
-        V = self.config.vocab_size
+    def _fetch_proposal(self, prop, drafts: Tensor) -> tuple[list[list[int]], list[bool], list[list[float]]]:
+        """After the verification step: the drafts (B, k) the step ran (the proposal's ids clamped into the
+        vocabulary — a row that needed it verifies nothing), per row whether its ids were valid, and the
+        confidences."""
         tokens = prop.tokens.long()
-        bad = ((tokens < 0) | (tokens >= V)).any(dim=1, keepdim=True)  # (B, 1)
-        rows = torch.cat((tokens.clamp(0, V - 1), bad.long()), dim=1).tolist()  # waits for the step
+        bad = ((tokens < 0) | (tokens >= self.config.vocab_size)).any(dim=1, keepdim=True)  # (B, 1)
+        rows = torch.cat((drafts, bad.long()), dim=1).tolist()  # waits for the step
         confidence = prop.confidence.float().clamp(0, 1).tolist()
         if any(row[-1] for row in rows):
             log.warning("the drafter proposed token ids outside the vocabulary; those rows verify no drafts")
         return [row[:-1] for row in rows], [not row[-1] for row in rows], confidence
 
     def _speculate(self, seqs: list[Sequence]) -> list[StepOutput]:
-        """One verification step: propose, choose lengths, verify in one forward, accept, roll back, emit.
+        """One verification step: propose, choose lengths, verify in one forward, accept, roll back, emit (the
+        static step chooses lengths after its forward: the drafts never wait on the host before it).
         The forward is the static verification step of k + 1 positions (a CUDA graph on GPUs) whenever
         every row's block fits max_seq_len; otherwise the host-driven forward over max L + 1 positions."""
         c, B, stats, k = self.config, len(seqs), self.stats.speculative, self.drafter.k
@@ -506,16 +490,18 @@ class Engine:
         caches = [s.cache for s in seqs]
         starts = [cache.n_tokens for cache in caches]
         rollback = None
-        if static:  # the static step computes k + 1 positions whatever the lengths; T = 0 is a plain step
+        if static:  # the static step computes k + 1 positions whatever the lengths are
             T = k + 1
-            prop = self._propose_on_device(seqs)
+            prop, _ = self._propose(seqs, wait=False)
             if prop is None:
                 return self._plain_step(seqs)
             # the drafts go from the proposal into the step's token rows on the device: no host round trip
-            # before the forward; the host learns them (and the confidences) after it, in the step's one wait
+            # before the forward; the host learns them (and the confidences) after it, in the step's one wait.
+            # Lengths are chosen then: they cap each row's acceptance (0: the step emits what a plain one would)
+            on_device = prop.tokens.long().clamp(0, c.vocab_size - 1)  # (B, k)
             logits = self._run_static(self.vio, self.vgraphs, caches, [[s.next_token] * T for s in seqs],
-                                      drafts=prop.tokens.long().clamp(0, c.vocab_size - 1))  # (B, T, V) fp32
-            drafts, valid, confidence = self._fetch_proposal(prop)
+                                      drafts=on_device)  # (B, T, V) fp32
+            drafts, valid, confidence = self._fetch_proposal(prop, on_device)
             Bb = bucket(B, self.buckets)
 
             def step_time(n: int) -> float:
