@@ -9,7 +9,7 @@ propose, rollback snapshot, the static verification step, acceptance, rollback, 
 log-probs and emission — is wrapped in a timer that synchronizes the device before and after (so a phase's
 time is its host time plus the device work it queues; the sum is a synchronized step, a little slower than
 a real one). Then a few steps run under torch.profiler: per phase, the kernel launches (CUDA: launches and
-graph replays; CPU: top-level aten ops) it issues. Writes benchmarks/results/spec_phases-<date>.json.
+graph replays; CPU: top-level aten ops) it issues. Writes benchmarks/results/spec_phases-<date>-b<batch>.json.
 """
 
 from __future__ import annotations
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
     phases = Phases(sync)
     for attr, name in (("_catch_up", "catch-up"), ("_propose", "propose"), ("_run_static", "verification step"),
-                       ("_observe", "drafter hand-over"), ("_logprobs", "logprobs"), ("_emission", "emission")):
+                       ("_observe", "drafter hand-over"), ("_logprobs", "logprobs"), ("_emission", "emission"),
+                       ("_fetch_proposal", "fetch proposal"), ("_restore_static", "rollback")):
         phases.wrap(engine, attr, name)
     phases.wrap(engine_mod, "verify", "acceptance")
     phases.wrap(VerifyRollback, "__init__", "rollback snapshot")
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
               "graph_kernels": kernels}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"spec_phases-{report['date']}.json"
+    path = out / f"spec_phases-{report['date']}-b{args.batch}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
     print(f"step (synchronized) {report['step_ms_synchronized']:.2f} ms over {steps} verifications, "

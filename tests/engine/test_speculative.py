@@ -73,8 +73,8 @@ def cache_bytes(pools: BlockManager, cache: SequenceCache) -> dict[str, torch.Te
 @pytest.mark.parametrize("prompt_len", [37, 38])  # the ratio-2 sources' partial group is open / closed at the start
 def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(prompt_len, path):
     """Rows keep 0..5 of a 5-token verification block. (1) Twin rows, verified in the same batched forward
-    with other tokens after the kept prefix, end byte-identical — every cache byte, the fp32 partial groups
-    included: the rejected tokens leave no trace. (2) A run that never saw them (plain decode steps of the
+    with other tokens after the kept prefix, end byte-identical in every quantized cache, their fp32 partial
+    groups equal up to the row-position rounding of a CPU GEMM: the rejected tokens leave no trace. (2) A run that never saw them (plain decode steps of the
     kept tokens) holds the same bytes in every quantized cache (FP8 rings, FP4 entries and index keys),
     positions, token ids and pages; its fp32 partial-group projections differ only by matmul rounding
     (1-row vs T-row products), and one more step gives the same logits. The block runs through the host-driven
@@ -144,8 +144,12 @@ def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(p
         got, other, want = cache_bytes(pools, spec[b]), cache_bytes(pools, twins[b]), cache_bytes(pools, ref[b])
         assert got.keys() == want.keys() == other.keys(), (b, got.keys() ^ want.keys())
         for name in want:
-            n_diff = (got[name] != other[name]).sum().item()
-            assert torch.equal(got[name], other[name]), f"row keeping {keep}: {name} differs from its twin in {n_diff}"
+            if ".pending_" in name:  # fp32: a row's matmul result may depend on its index in the batch (CPU GEMM tiling)
+                err = ((got[name] - other[name]).abs().max() / other[name].abs().max()).item()
+                assert err < 1e-6, f"row keeping {keep}: {name} rel err {err:.2e} vs its twin"
+            else:
+                n_diff = (got[name] != other[name]).sum().item()
+                assert torch.equal(got[name], other[name]), f"row keeping {keep}: {name} differs from its twin in {n_diff}"
             if ".pending_" in name:
                 err = ((got[name] - want[name]).abs().max() / want[name].abs().max()).item()
                 assert err < 1e-6, f"row keeping {keep}: {name} rel err {err:.2e} vs plain decode"
@@ -164,7 +168,8 @@ def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(p
         io.fill_batch(caches, nxt)
         io.send()
         logits.append(runner.decode(io, n, io.max_entries(n)).clone())
-    assert torch.equal(logits[0], logits[1])
+    twin_err = ((logits[0] - logits[1]).abs().max() / logits[1].abs().max()).item()
+    assert twin_err < 1e-6, f"next-step logits rel err {twin_err:.2e} vs the twins"
     err = ((logits[0] - logits[2]).abs().max() / logits[2].abs().max()).item()
     assert err < 1e-5, f"next-step logits rel err {err:.2e}"
 

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# What travels to the device machine is capped at 64 MiB (/work/.library/device/README.md); the shipped model
+# (52 MiB) and its DSpark drafter (24 MiB) do not fit together. Park one of them outside the checkout for a
+# call, and put it back right after:
+#
+#   bash scripts/device_tree.sh park drafter   # a call that needs the model only (most of them)
+#   bash scripts/device_tree.sh park model     # a call whose command copies the drafter to /tmp on the box
+#   bash scripts/device_tree.sh unpark         # everything back (idempotent)
+#   bash scripts/device_tree.sh size           # MiB that would travel now
+#
+# A call that needs both: park model → a call copying models/dsv41-small/dspark to /tmp/dsv41-drafter →
+# unpark, park drafter → the next call, in the same batch of calls (the box keeps /tmp for 30 s of idle),
+# runs `DRAFTER_DIR=/tmp/dsv41-drafter bash scripts/gpu_speculative.sh` (it copies the drafter back in).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PARK=${PARK:-/tmp/dsv41-park}
+MODEL=models/dsv41-small
+case ${1:-size} in
+  park)
+    mkdir -p "$PARK"
+    case ${2:-} in
+      drafter) [ -d "$MODEL/dspark" ] && mv "$MODEL/dspark" "$PARK/dspark" ;;
+      model) for f in "$MODEL"/model-*.safetensors; do [ -e "$f" ] && mv "$f" "$PARK/"; done ;;
+      *) echo "device_tree: park drafter|model" >&2; exit 2 ;;
+    esac ;;
+  unpark)
+    [ -d "$PARK/dspark" ] && { [ -e "$MODEL/dspark" ] && { echo "device_tree: $MODEL/dspark exists" >&2; exit 2; }
+                              mv "$PARK/dspark" "$MODEL/dspark"; }
+    for f in "$PARK"/model-*.safetensors; do [ -e "$f" ] && mv "$f" "$MODEL/"; done
+    git status --short -- "$MODEL" | grep . && { echo "device_tree: $MODEL differs from git" >&2; exit 1; } ;;
+  size) ;;
+  *) echo "device_tree: park drafter|model, unpark or size" >&2; exit 2 ;;
+esac
+{ git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 du -cb 2>/dev/null | tail -1 \
+  | awk '{printf "device_tree: %.1f MiB would travel (limit 64)\n", $1 / 1048576}'
