@@ -9,7 +9,8 @@ propose, rollback snapshot, the static verification step, acceptance, rollback, 
 log-probs and emission — is wrapped in a timer that synchronizes the device before and after (so a phase's
 time is its host time plus the device work it queues; the sum is a synchronized step, a little slower than
 a real one). Then a few steps run under torch.profiler: per phase, the kernel launches (CUDA: launches and
-graph replays; CPU: top-level aten ops) it issues. Writes benchmarks/results/spec_phases-<date>-b<batch>.json.
+graph replays; CPU: top-level aten ops) it issues.
+Writes benchmarks/results/spec_phases-<date>-b<batch>-<dtype>.json.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculative import CHECKPOINT, RESULTS, text_prompts  # noqa: E402
+from speculative import CHECKPOINT, DTYPES, RESULTS, text_prompts  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
             "cudaMemcpyAsync", "cudaMemsetAsync")
@@ -86,10 +87,12 @@ def graph_kernels(engine, B: int, replays: int = 5, top: int = 25) -> dict:
     from dsv41.engine.graphs import bucket
 
     out = {}
-    drafter = getattr(engine.drafter, "drafter", engine.drafter)  # under a timing wrapper
+    drafter = engine.drafter
+    if hasattr(getattr(drafter, "drafter", None), "propose"):
+        drafter = drafter.drafter  # under a timing wrapper
     found = [("decode", engine.graphs), ("verification", engine.vgraphs)]
     found += [(f"drafter {attr}", getattr(drafter, attr)) for attr in vars(drafter)
-              if attr.endswith("graphs") and hasattr(getattr(drafter, attr), "graphs")]
+              if attr.endswith("graphs") and hasattr(getattr(drafter, attr), "graphs")]  # propose, hand-over
     for label, graphs in found:
         if graphs is None:
             continue
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--profile-steps", type=int, default=4)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -151,12 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda")
     torch.manual_seed(0)
     if args.preset:
-        dtype = torch.bfloat16 if cuda else torch.float32
+        dtype = DTYPES[args.dtype]
         model = Transformer(load_config(args.preset)).init_weights(seed=0).to(device=args.device, dtype=dtype).eval()
     else:
         from dsv41.checkpoint import load_checkpoint
 
-        model = load_checkpoint(args.checkpoint or CHECKPOINT, device=args.device).eval()
+        model = load_checkpoint(args.checkpoint or CHECKPOINT, device=args.device, dtype=DTYPES[args.dtype]).eval()
     c = model.config
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     k = 4
@@ -216,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels = graph_kernels(engine, args.batch) if cuda else {}
     report = {"benchmark": "spec_phases", "date": dt.date.today().isoformat(),
               "device": torch.cuda.get_device_name() if cuda else "cpu", "batch": args.batch, "drafter": args.drafter,
+              "dtype": args.dtype,
               "k": k, "steps": steps, "step_ms_synchronized": 1e3 * total / steps, "phases": rows,
               "launches_per_step": {name: n / args.profile_steps for name, n in sorted(launches.items())},
               "launch_kind": "CUDA launches + graph replays + async copies" if cuda else "top-level aten ops",
@@ -223,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
               "graph_kernels": kernels}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"spec_phases-{report['date']}-b{args.batch}.json"
+    path = out / f"spec_phases-{report['date']}-b{args.batch}-{args.dtype}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
     print(f"step (synchronized) {report['step_ms_synchronized']:.2f} ms over {steps} verifications, "

@@ -10,11 +10,13 @@ For each batch size the same greedy requests (prompts of `--prompt-len` tokens, 
 on a plain engine (CUDA graphs on a GPU) and on a speculative one (the static verification step of k + 1
 positions and the drafter's proposal, both CUDA-graphed on a GPU, the verification-length scheduler over the
 step-time curve the engine profiled at start-up, the cost model of `speculate`). Measured over
-the decode phase (after every prompt's prefill): tokens/s, the seconds spent inside the drafter (so
-"spec excluding drafter" = what a free drafter would give — the oracle drafter is a second copy of the
-model and costs as much as the main one), GPU kernel time per generated token (torch.profiler, over
+the decode phase (after every prompt's prefill): tokens/s, the seconds spent inside the drafter (host
+seconds only unless --sync-drafter, which then costs the run its host/device overlap; "spec excluding
+drafter" = what a free drafter would give — the oracle drafter is a second copy of the model and costs as
+much as the main one), GPU kernel time per generated token (torch.profiler, over
 `--profile-steps` steps) and the acceptance statistics; the outputs are checked equal (greedy is
-lossless). Writes benchmarks/results/speculative-<date>.json.
+lossless; a differing output is checked for a near tie at its first difference). Writes
+benchmarks/results/speculative-<date>-<dtype>.json.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHECKPOINT = Path(__file__).resolve().parents[1] / "models" / "dsv41-small"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class TimedDrafter:
-    """A drafter wrapper that adds up the seconds spent in propose / observe (synchronized on CUDA)."""
+    """A drafter wrapper that adds up the seconds spent in propose / observe (synchronized when `sync` is)."""
 
     def __init__(self, drafter, sync):
         self.drafter, self.sync, self.seconds = drafter, sync, 0.0
@@ -109,6 +112,29 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
             "gpu_s_per_token": gpu_s / gpu_tokens if gpu_s is not None and gpu_tokens else None}
 
 
+@torch.no_grad()
+def divergences(model, prompts: list[list[int]], plain: list[list[int]], spec: list[list[int]]) -> list[dict]:
+    """Each request whose speculative output differs from the plain one: its first differing position and the
+    logits of a full (training) forward of the common prefix there — the gap between the plain and the
+    speculative token relative to the logits' scale; a gap at rounding level is a near tie that the step
+    shapes' different rounding (1-token step vs a k+1-position verification) decided differently."""
+    device = next(model.parameters()).device
+    out = []
+    for i, (p, a, b) in enumerate(zip(prompts, plain, spec)):
+        if a == b:
+            continue
+        j = next((t for t, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        row = {"request": i, "position": j}
+        if j < min(len(a), len(b)):
+            logits = model(torch.tensor([p + a[:j]], device=device))[0, -1].float()
+            top2 = logits.topk(2).values
+            row.update(plain_token=a[j], spec_token=b[j], forward_argmax=int(logits.argmax()),
+                       gap_over_scale=float((logits[a[j]] - logits[b[j]]).abs() / logits.abs().max()),
+                       top2_gap_over_scale=float((top2[0] - top2[1]) / logits.abs().max()))
+        out.append(row)
+    return out
+
+
 def text_prompts(data: Path, length: int, n: int) -> list[list[int]]:
     """n prompts of `length` tokens: windows spaced along the corpus's validation documents (cycled when short)."""
     from dsv41.train.data import load_corpus
@@ -143,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--profile-steps", type=int, default=8, help="steps under torch.profiler (GPU time)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                    help="the model's (and drafter's) dtype (fp32: greedy outputs compare exactly but for near ties)")
+    ap.add_argument("--sync-drafter", action="store_true",
+                    help="synchronize the device around each drafter call, so drafter_s is its device time too "
+                         "(the speculative run then loses the overlap of host and device: slower)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -154,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsv41.model.transformer import Transformer
 
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    dtype = DTYPES[args.dtype]
     if args.preset:
         model = Transformer(load_config(args.preset)).init_weights(seed=0).to(device=args.device, dtype=dtype).eval()
         source = f"preset {args.preset} (random init)"
@@ -162,19 +193,21 @@ def main(argv: list[str] | None = None) -> int:
         from dsv41.checkpoint import load_checkpoint
 
         path = args.checkpoint or CHECKPOINT
-        model = load_checkpoint(path, device=args.device).eval()
+        model = load_checkpoint(path, device=args.device, dtype=DTYPES[args.dtype]).eval()
         source = str(path)
     c = model.config
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     g = torch.Generator().manual_seed(0)
     report = {"benchmark": "speculative", "date": dt.date.today().isoformat(), "model": source,
+              "drafter_s": "device-synchronized" if args.sync_drafter else "host seconds in drafter calls",
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "drafter": args.drafter, "speculate": args.speculate, "draft_tokens": args.draft_tokens,
+              "dtype": args.dtype,
               "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "runs": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"speculative-{report['date']}.json"
+    path = out / f"speculative-{report['date']}-{args.dtype}.json"
     if args.draft_tokens is None:
         args.draft_tokens = c.dspark_block_size or 4
         if args.drafter == "dspark":
@@ -201,24 +234,25 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.drafter == "noisy":
             inner = NoisyDrafter(c.vocab_size, args.draft_tokens, base=inner, noise=0.3)
-        drafter = TimedDrafter(inner, sync)
+        drafter = TimedDrafter(inner, sync if args.sync_drafter else (lambda: None))
         t0 = time.perf_counter()
         spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate,
                              prefill_layers=None)
         profile_s = time.perf_counter() - t0
         spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter)
         st = spec_engine.stats.speculative
-        same = sum(a == b for a, b in zip(base.pop("outputs"), spec.pop("outputs")))
+        plain_out, spec_out = base.pop("outputs"), spec.pop("outputs")
+        same = sum(a == b for a, b in zip(plain_out, spec_out))
         ratio = lambda a, b: a / b if a and b else None  # noqa: E731
         run = {"batch": B, "plain": base, "speculative": spec, "lossless_requests": f"{same}/{B}",
+               "divergences": divergences(model, prompts, plain_out, spec_out),
                "speedup": ratio(spec["tokens_per_s"], base["tokens_per_s"]),
                "speedup_excluding_drafter": ratio(spec["tokens_per_s_excluding_drafter"], base["tokens_per_s"]),
                "gpu_time_ratio_plain_over_spec": ratio(base["gpu_s_per_token"], spec["gpu_s_per_token"]),
                "mean_tokens_per_verification": st.mean_tokens_per_verification, "accepted_histogram": st.histogram,
                "length_histogram": st.length_histogram, "step_time_curve": spec_engine.step_time.to_dict(),
                "plain_steps": st.plain_steps, "verification_forwards": st.forwards,
-               "cost_model": {f"{kind} @ batch {Bb}": {"s_per_row": v[0], "tokens_per_row": v[1], "steps": v[2]}
-                              for (kind, Bb), v in spec_engine._rate.items()},
+               "cost_model": spec_engine.cost_model.summary() if spec_engine.cost_model else None,
                "verify_graphs": spec_engine.vgraphs.captures if spec_engine.vgraphs is not None else 0,
                "profile_s": profile_s}
         report["runs"].append(run)

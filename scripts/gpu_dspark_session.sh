@@ -8,8 +8,8 @@
 #   bash scripts/gpu_dspark_session.sh start   # launch (idempotent), then watch
 #   bash scripts/gpu_dspark_session.sh watch   # follow for up to WATCH_S seconds (default 560)
 #
-# BUDGET_S (default 300): the drafter's training budget. With a drafter already in
-# models/dsv41-small/dspark (carried, or shipped) the training is skipped.
+# BUDGET_S (default 300): the drafter's training budget. With a drafter in models/dsv41-small/dspark (shipped)
+# or in /tmp/dsv41-drafter (left by an earlier call of the lease: scripts/device_tree.sh) it is skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -20,6 +20,9 @@ pipeline() {
   # the GPU tests need no trained drafter: they share the GPU with the training (correctness only)
   python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_speculative_gpu.py \
     tests/dspark/test_dspark_drafter_static.py > "$LOG/gputests.log" 2>&1 &
+  if [ ! -f "$DRAFTER/config.json" ] && [ -f /tmp/dsv41-drafter/config.json ]; then
+    rm -rf "$DRAFTER" && cp -r /tmp/dsv41-drafter "$DRAFTER"
+  fi
   if [ ! -f "$DRAFTER/config.json" ]; then
     rm -rf "$DRAFTER"
     OUT=runs/dspark RESULTS=runs/results BUDGET_S=${BUDGET_S:-300} bash scripts/train_dspark_small.sh \

@@ -17,7 +17,7 @@ from dsv41.engine.prefix import PrefixCache
 from dsv41.engine.prefix_store import InProcessSWAPool, PersistentStore
 from dsv41.engine.runner import Capture, DecodeIO, Runner
 from dsv41.engine.sampling import SamplingParams, sampling_probs
-from dsv41.engine.speculative import NoisyDrafter, OracleDrafter, Proposal, StepTimeCurve, VerifyRollback
+from dsv41.engine.speculative import CostModel, NoisyDrafter, OracleDrafter, Proposal, StepTimeCurve, VerifyRollback
 
 FLAT = StepTimeCurve([(1, 1.0)])  # memory-bound: the scheduler verifies every draft it may
 
@@ -74,12 +74,12 @@ def cache_bytes(pools: BlockManager, cache: SequenceCache) -> dict[str, torch.Te
 def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(prompt_len, path):
     """Rows keep 0..5 of a 5-token verification block. (1) Twin rows, verified in the same batched forward
     with other tokens after the kept prefix, end byte-identical in every quantized cache, their fp32 partial
-    groups equal up to the row-position rounding of a CPU GEMM: the rejected tokens leave no trace. (2) A run that never saw them (plain decode steps of the
-    kept tokens) holds the same bytes in every quantized cache (FP8 rings, FP4 entries and index keys),
-    positions, token ids and pages; its fp32 partial-group projections differ only by matmul rounding
-    (1-row vs T-row products), and one more step gives the same logits. The block runs through the host-driven
-    forward or through the engine's static verification step (entry rows reserved by the host, partial groups
-    continued branch-free on the device)."""
+    groups equal up to the row-position rounding of a CPU GEMM: the rejected tokens leave no trace. (2) A run
+    that never saw them (plain decode steps of the kept tokens) holds the same bytes in every quantized cache
+    (FP8 rings, FP4 entries and index keys), positions, token ids and pages; its fp32 partial-group projections
+    differ only by matmul rounding (1-row vs T-row products), and one more step gives the same logits. The
+    block runs through the host-driven forward or through the engine's static verification step (entry rows
+    reserved by the host, partial groups continued branch-free on the device)."""
     torch.manual_seed(prompt_len)
     model = engine_test_model(prompt_len)
     c = model.config
@@ -144,12 +144,13 @@ def test_rollback_leaves_the_bytes_of_a_run_that_never_saw_the_rejected_tokens(p
         got, other, want = cache_bytes(pools, spec[b]), cache_bytes(pools, twins[b]), cache_bytes(pools, ref[b])
         assert got.keys() == want.keys() == other.keys(), (b, got.keys() ^ want.keys())
         for name in want:
-            if ".pending_" in name:  # fp32: a row's matmul result may depend on its index in the batch (CPU GEMM tiling)
+            if ".pending_" in name:  # fp32: a row's matmul result may depend on its row index (CPU GEMM tiling)
                 err = ((got[name] - other[name]).abs().max() / other[name].abs().max()).item()
                 assert err < 1e-6, f"row keeping {keep}: {name} rel err {err:.2e} vs its twin"
             else:
                 n_diff = (got[name] != other[name]).sum().item()
-                assert torch.equal(got[name], other[name]), f"row keeping {keep}: {name} differs from its twin in {n_diff}"
+                assert torch.equal(got[name], other[name]), \
+                    f"row keeping {keep}: {name} differs from its twin in {n_diff}"
             if ".pending_" in name:
                 err = ((got[name] - want[name]).abs().max() / want[name].abs().max()).item()
                 assert err < 1e-6, f"row keeping {keep}: {name} rel err {err:.2e} vs plain decode"
@@ -386,29 +387,54 @@ def test_a_swapped_out_state_survives_its_slot_being_reused():
 
 
 def test_the_cost_model_drafts_only_where_measured_speculative_steps_beat_plain_ones():
-    """`speculate="auto"`: per batch bucket, tokens per row per second of measured speculative steps against
-    measured plain steps (first step of each kind skipped: graph capture); drafts until measured; probes
-    again after 64 plain steps in a row; buckets are independent."""
-    model = engine_test_model(52)
-    engine = Engine(model, max_batch=8, max_seq_len=64, step_time=FLAT,
-                    drafter=NoisyDrafter(model.config.vocab_size, 3))
-    assert engine._worth_drafting(8)  # nothing measured: draft
-    engine._measure("spec", 8, 50.0, 8)  # the capture step: not counted
-    assert engine._worth_drafting(8)
-    engine._measure("spec", 8, 8 * 0.004, 8 * 2.0)  # 2 tokens per row in 4 ms per row: 500 tokens/s per row
-    # no plain step measured yet: the curve (1 s per step of 8 rows = 0.125 s per row) is far slower
-    assert engine._worth_drafting(8)
-    engine._measure("plain", 8, 1.0, 8)  # the capture step: not counted
-    engine._measure("plain", 8, 8 * 0.0025, 8)  # 400 tokens/s per row: speculation still wins
-    assert engine._worth_drafting(8)
-    engine._measure("plain", 8, 8 * 0.0015, 8)  # average 0.9·2.5 + 0.1·1.5 = 2.4 ms: 417 tokens/s
-    assert engine._worth_drafting(8)
-    for _ in range(20):
-        engine._measure("plain", 8, 8 * 0.0015, 8)  # → 1.5 ms: 667 tokens/s per row beats 500
-    assert not engine._worth_drafting(8)
-    assert engine._worth_drafting(2)  # another bucket: unmeasured
-    for _ in range(64 - 21):
-        engine._measure("plain", 8, 8 * 0.0015, 8)
-    assert engine._worth_drafting(8)  # 64 plain steps in a row: probe once
-    engine._measure("spec", 8, 8 * 0.004, 8 * 2.0)
-    assert not engine._worth_drafting(8)
+    """`CostModel` (speculate="auto"), by hand: per batch bucket, tokens per row per second of speculative steps
+    (median time of the last 5 counted, tokens a moving average over every bucket) against plain steps
+    (median, or the profiled curve until one is counted); a bucket's first step of each kind is not counted
+    (graph capture); drafts until 3 speculative steps are counted; probes after 32 plain steps in a row."""
+    model = CostModel(FLAT)  # the curve: 1 s per step of any size
+    assert model.worth_drafting(8)  # nothing measured: draft
+    model.record("spec", 8, 8, 50.0, 8)  # the capture step: not counted
+    assert model.worth_drafting(8) and model.tokens is None
+    for t in (0.004, 0.1, 0.004):  # one slow step among them (a hand-over graph captured, say)
+        assert model.worth_drafting(8)  # fewer than 3 counted: still measuring
+        model.record("spec", 8, 8, 8 * t, 8 * 2.0)  # 2 tokens per row
+    assert model.median("spec", 8) == 0.004 and model.tokens == 2.0  # 500 tokens/s per row
+    # no plain step counted yet: the curve (1 s per step of 8 rows = 0.125 s per row) is far slower
+    assert model.worth_drafting(8)
+    model.record("plain", 8, 8, 1.0, 8)  # the capture step: not counted
+    model.record("plain", 8, 8, 8 * 0.0025, 8)  # 400 tokens/s per row: speculation still wins
+    assert model.worth_drafting(8)
+    model.record("plain", 8, 8, 8 * 0.0015, 8)  # median of 2.5 and 1.5 ms = 2.0 ms: 500 tokens/s, not more
+    assert not model.worth_drafting(8)
+    model.record("spec", 8, 8, 8 * 0.004, 8 * 3.0)  # tokens 0.9·2 + 0.1·3 = 2.1 per row: 525 tokens/s
+    assert model.tokens == pytest.approx(2.1) and model.worth_drafting(8)
+    for _ in range(3):
+        model.record("plain", 8, 8, 8 * 0.0015, 8)  # median of the last 5 plain: 1.5 ms, 667 tokens/s
+    assert not model.worth_drafting(8)
+    assert model.worth_drafting(2)  # another bucket: unmeasured
+    for _ in range(32 - 3 - 1):
+        model.record("plain", 8, 8, 8 * 0.0015, 8)
+    assert not model.worth_drafting(8)
+    model.record("plain", 8, 8, 8 * 0.0015, 8)
+    assert model.worth_drafting(8)  # 32 plain steps in a row: probe once
+    model.record("spec", 8, 8, 8 * 0.001, 8 * 2.1)  # the probe is fast: spec times (4, 100, 4, 4, 1) ms → 4
+    assert not model.worth_drafting(8)
+    for _ in range(2):
+        model.record("spec", 8, 8, 8 * 0.001, 8 * 2.1)  # (100, 4, 4, 1, 1) → 4, then (4, 4, 1, 1, 1) → 1 ms
+    assert model.median("spec", 8) == 0.001 and model.worth_drafting(8)
+    summary = model.summary()
+    assert summary["spec @ batch 8"] == {"s_per_row": 0.001, "steps": 8} and summary["plain @ batch 8"]["steps"] == 35
+    with pytest.raises(ValueError, match="kind"):
+        model.record("other", 8, 8, 1.0, 8)
+    model.reset()
+    assert model.worth_drafting(8) and model.summary() == {"spec tokens_per_row": None}
+    # the engine asks its cost model per bucket of the batch size
+    m = engine_test_model(52)
+    engine = Engine(m, max_batch=8, max_seq_len=64, step_time=FLAT, drafter=NoisyDrafter(m.config.vocab_size, 3))
+    for _ in range(4):
+        engine._measure("spec", 7, 7 * 0.004, 7 * 2.0)  # batch 7 → bucket 8
+    for _ in range(3):
+        engine._measure("plain", 8, 8 * 0.001, 8)
+    assert engine.cost_model.median("spec", 8) == 0.004 and not engine._worth_drafting(7)
+    engine.reset_cost_model()
+    assert engine._worth_drafting(7)

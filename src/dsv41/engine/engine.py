@@ -41,6 +41,7 @@ from dsv41.engine.sampling import SamplingParams, make_generator, sample, token_
 from dsv41.engine.scheduler import Scheduler
 from dsv41.engine.sequence import Sequence, SequenceStatus
 from dsv41.engine.speculative import (
+    CostModel,
     Drafter,
     SpeculativeStats,
     StepTimeCurve,
@@ -109,7 +110,7 @@ class Engine:
         entries per page of the global-KV pools. drafter: speculative decoding (off when None);
         step_time: its step-time curve (default: profiled here on the static steps, `profile_step_time`);
         speculate: "auto" — a step decodes plainly when the measured speculative steps at this batch size
-        emit fewer tokens per second than plain ones (`_worth_drafting`; the drafter catches up on those
+        emit fewer tokens per second than plain ones (`CostModel`; the drafter catches up on those
         tokens later) — or "always"."""
         if speculate not in ("auto", "always"):
             raise ValueError(f"speculate must be 'auto' or 'always', got {speculate!r}")
@@ -151,10 +152,7 @@ class Engine:
         _keep_fp32_weights_in_fp32(model)
         self.step_time = step_time
         self.speculate = speculate
-        # the cost model's measurements per batch bucket (`_worth_drafting`): moving averages of the wall time
-        # per row of speculative and plain steps, of the tokens per row a speculative step emits, and sample counts
-        self._rate: dict[tuple[str, int], list[float]] = {}
-        self._plain_run: dict[int, int] = {}  # batch bucket → plain steps since the last speculative one
+        self.cost_model: CostModel | None = None  # speculate="auto" (`CostModel`), made with the step-time curve
         self._drafter_seen: dict[int, int] = {}  # sequence id → tokens the drafter has observed
         self.buckets = batch_buckets(max_batch)  # the padded batch sizes of the static steps (their graphs)
         decode_tokens = 1
@@ -399,39 +397,22 @@ class Engine:
             self._drafter_seen[seq.id] = n
 
     def _worth_drafting(self, B: int) -> bool:
-        """The cost model of `speculate="auto"`: tokens per second of speculative steps against plain ones at
-        this batch bucket, both measured (wall time of whole steps, moving averages; the first step of a kind
-        per bucket is not counted: it captures graphs). It drafts until a speculative step is measured; until a
-        plain step is, the profiled decode step stands for it. After 64 plain steps in a row it drafts once
-        again, to re-measure (acceptance changes with the text)."""
-        Bb = bucket(B, self.buckets)
-        spec, plain = self._rate.get(("spec", Bb)), self._rate.get(("plain", Bb))
-        if spec is None or spec[2] < 1:
-            return True  # measure it
-        if self._plain_run.get(Bb, 0) >= 64:
-            return True  # probe
-        t_plain = plain[0] if plain is not None and plain[2] >= 1 else self.step_time(Bb) / Bb
-        return spec[1] / spec[0] > 1 / t_plain
+        """`speculate="auto"`: whether this batch drafts (the engine's `CostModel`, per batch bucket)."""
+        return self._costs().worth_drafting(bucket(B, self.buckets))
 
     def reset_cost_model(self) -> None:
         """Forget the cost model's measurements (after steps timed under a profiler, say: its overhead
         would make every speculative step look slow)."""
-        self._rate.clear()
-        self._plain_run.clear()
+        self._costs().reset()
 
     def _measure(self, kind: str, B: int, seconds: float, tokens: int) -> None:
-        """One step's wall time and tokens into the cost model (per row, moving averages)."""
-        Bb = bucket(B, self.buckets)
-        entry = self._rate.setdefault((kind, Bb), [0.0, 0.0, -1])
-        entry[2] += 1
-        t, n = seconds / B, tokens / B
-        if entry[2] <= 0:
-            return  # the first step of a kind captures graphs
-        if entry[2] == 1:
-            entry[0], entry[1] = t, n
-        else:
-            entry[0], entry[1] = 0.9 * entry[0] + 0.1 * t, 0.9 * entry[1] + 0.1 * n
-        self._plain_run[Bb] = self._plain_run.get(Bb, 0) + 1 if kind == "plain" else 0
+        """One step's wall time and tokens into the cost model."""
+        self._costs().record(kind, bucket(B, self.buckets), B, seconds, tokens)
+
+    def _costs(self) -> CostModel:
+        if self.cost_model is None:
+            self.cost_model = CostModel(lambda n: self.step_time(n))
+        return self.cost_model
 
     def _propose(self, seqs: list[Sequence], *, wait: bool = True):
         """The drafter's proposal for the batch, its shapes checked (None when it fails), and with `wait` its

@@ -113,6 +113,65 @@ class StepTimeCurve:
         return {"tokens": [n for n, _ in self.points], "seconds": [t for _, t in self.points]}
 
 
+class CostModel:
+    """`speculate="auto"`: per batch bucket, whether a speculative step emits more tokens per second than a
+    plain one — both measured on whole steps (wall time per row). A bucket's first step of each kind is not
+    counted (it captures graphs); the time of a kind is the median of its last `window` counted steps (robust
+    to a step that captured another graph, or caught the drafter up); tokens per row of speculative steps are a
+    moving average over every bucket (acceptance depends on the text, not the batch). It drafts until a bucket
+    has `warmup` counted speculative steps; until a plain step is counted there, the profiled step-time curve
+    stands for it; after `probe_every` plain steps in a row it drafts once again (acceptance changes)."""
+
+    def __init__(self, step_time: Callable[[int], float], *, warmup: int = 3, window: int = 5,
+                 probe_every: int = 32, smoothing: float = 0.1):
+        self.step_time, self.warmup, self.window = step_time, warmup, window
+        self.probe_every, self.smoothing = probe_every, smoothing
+        self.reset()
+
+    def reset(self) -> None:
+        self.times: dict[tuple[str, int], list[float]] = {}  # (kind, bucket) → last counted s per row
+        self.steps: dict[tuple[str, int], int] = {}  # (kind, bucket) → steps seen, the uncounted first included
+        self.tokens: float | None = None  # tokens per row of a speculative step, moving average
+        self.plain_run: dict[int, int] = {}  # bucket → plain steps since its last speculative one
+
+    def record(self, kind: str, bucket: int, rows: int, seconds: float, tokens: int) -> None:
+        if kind not in ("spec", "plain"):
+            raise ValueError(f"kind must be 'spec' or 'plain', got {kind!r}")
+        key = (kind, bucket)
+        self.steps[key] = self.steps.get(key, 0) + 1
+        self.plain_run[bucket] = self.plain_run.get(bucket, 0) + 1 if kind == "plain" else 0
+        if self.steps[key] == 1:
+            return  # the first step of a kind captures graphs
+        self.times[key] = (self.times.get(key, []) + [seconds / rows])[-self.window:]
+        if kind == "spec":
+            n = tokens / rows
+            self.tokens = n if self.tokens is None else (1 - self.smoothing) * self.tokens + self.smoothing * n
+
+    def median(self, kind: str, bucket: int) -> float | None:
+        ts = sorted(self.times.get((kind, bucket), []))
+        if not ts:
+            return None
+        mid = len(ts) // 2
+        return ts[mid] if len(ts) % 2 else 0.5 * (ts[mid - 1] + ts[mid])
+
+    def worth_drafting(self, bucket: int) -> bool:
+        if len(self.times.get(("spec", bucket), [])) < self.warmup or self.tokens is None:
+            return True  # measure it
+        if self.plain_run.get(bucket, 0) >= self.probe_every:
+            return True  # probe
+        t_plain = self.median("plain", bucket)
+        if t_plain is None:
+            t_plain = self.step_time(bucket) / bucket
+        return self.tokens / self.median("spec", bucket) > 1 / t_plain
+
+    def summary(self) -> dict:
+        """Per (kind, bucket): the median s per row and the steps seen; the speculative tokens per row."""
+        out: dict = {f"{kind} @ batch {b}": {"s_per_row": self.median(kind, b), "steps": n}
+                     for (kind, b), n in sorted(self.steps.items())}
+        out["spec tokens_per_row"] = self.tokens
+        return out
+
+
 def expected_accepted(confidence: Sequence[float], length: int) -> float:
     """Expected accepted drafts of a verification of `length`: Σ_{l ≤ length} Π_{j ≤ l} c_j."""
     total, survive = 0.0, 1.0
