@@ -4,6 +4,8 @@ from plain sampling's conditional distribution; full / no acceptance; prefix cac
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -341,7 +343,7 @@ def test_the_drafter_sees_committed_tokens_and_the_main_models_hidden_states(pla
     engine = Engine(model, max_batch=1, max_seq_len=128, drafter=drafter, step_time=FLAT)
     if plain:
         turns = iter([True, False, False] * 20)
-        engine._worth_drafting = lambda B: next(turns)
+        engine._worth_drafting = lambda seqs: next(turns)
     out = _run(engine, [prompt], [24 if plain else 9])[0][0]
     assert (engine.stats.speculative.plain_steps > 3) == plain
     committed = [t for tokens, _ in seen for t in tokens]
@@ -390,14 +392,17 @@ def test_the_cost_model_drafts_only_where_measured_speculative_steps_beat_plain_
     """`CostModel` (speculate="auto"), by hand: per batch bucket, tokens per row per second of speculative steps
     (median time of the last 5 counted, tokens a moving average over every bucket) against plain steps
     (median, or the profiled curve until one is counted); a bucket's first step of each kind is not counted
-    (graph capture); drafts until 3 speculative steps are counted; probes after 32 plain steps in a row."""
+    (graph capture); drafts until 2 speculative steps are counted; probes after 32 plain steps in a row; the
+    rows' own tokens per verification, where known, replace the average."""
     model = CostModel(FLAT)  # the curve: 1 s per step of any size
     assert model.worth_drafting(8)  # nothing measured: draft
     model.record("spec", 8, 8, 50.0, 8)  # the capture step: not counted
     assert model.worth_drafting(8) and model.tokens is None
-    for t in (0.004, 0.1, 0.004):  # one slow step among them (a hand-over graph captured, say)
-        assert model.worth_drafting(8)  # fewer than 3 counted: still measuring
+    for t in (0.004, 0.1):  # one slow step among them (a hand-over graph captured, say)
+        assert model.worth_drafting(8)  # fewer than 2 counted: still measuring
         model.record("spec", 8, 8, 8 * t, 8 * 2.0)  # 2 tokens per row
+    assert model.median("spec", 8) == pytest.approx(0.052)
+    model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)
     assert model.median("spec", 8) == 0.004 and model.tokens == 2.0  # 500 tokens/s per row
     # no plain step counted yet: the curve (1 s per step of 8 rows = 0.125 s per row) is far slower
     assert model.worth_drafting(8)
@@ -411,6 +416,9 @@ def test_the_cost_model_drafts_only_where_measured_speculative_steps_beat_plain_
     for _ in range(3):
         model.record("plain", 8, 8, 8 * 0.0015, 8)  # median of the last 5 plain: 1.5 ms, 667 tokens/s
     assert not model.worth_drafting(8)
+    assert not model.worth_drafting(8, [None] * 8)  # rows without a history of their own: the average
+    assert model.worth_drafting(8, [3.0] * 6 + [None] * 2)  # (6·3 + 2·2.1) / 8 = 2.775 per row: 694 tokens/s
+    assert not model.worth_drafting(8, [2.4] * 8)  # 600 tokens/s
     assert model.worth_drafting(2)  # another bucket: unmeasured
     for _ in range(32 - 3 - 1):
         model.record("plain", 8, 8, 8 * 0.0015, 8)
@@ -428,13 +436,17 @@ def test_the_cost_model_drafts_only_where_measured_speculative_steps_beat_plain_
         model.record("other", 8, 8, 1.0, 8)
     model.reset()
     assert model.worth_drafting(8) and model.summary() == {"spec tokens_per_row": None}
-    # the engine asks its cost model per bucket of the batch size
+    # the engine asks its cost model per bucket of the batch size, with its rows' own averages
     m = engine_test_model(52)
     engine = Engine(m, max_batch=8, max_seq_len=64, step_time=FLAT, drafter=NoisyDrafter(m.config.vocab_size, 3))
     for _ in range(4):
         engine._measure("spec", 7, 7 * 0.004, 7 * 2.0)  # batch 7 → bucket 8
     for _ in range(3):
         engine._measure("plain", 8, 8 * 0.001, 8)
-    assert engine.cost_model.median("spec", 8) == 0.004 and not engine._worth_drafting(7)
+    rows = [SimpleNamespace(spec_tokens=None) for _ in range(7)]
+    assert engine.cost_model.median("spec", 8) == 0.004 and not engine._worth_drafting(rows)
+    for row in rows:
+        row.spec_tokens = 5.0  # 1,250 tokens/s per row beats 1,000
+    assert engine._worth_drafting(rows)
     engine.reset_cost_model()
-    assert engine._worth_drafting(7)
+    assert engine._worth_drafting(rows[:1])

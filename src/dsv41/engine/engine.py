@@ -396,9 +396,10 @@ class Engine:
                                      {layer: rows[:, j] for j, layer in enumerate(layers)})
             self._drafter_seen[seq.id] = n
 
-    def _worth_drafting(self, B: int) -> bool:
-        """`speculate="auto"`: whether this batch drafts (the engine's `CostModel`, per batch bucket)."""
-        return self._costs().worth_drafting(bucket(B, self.buckets))
+    def _worth_drafting(self, seqs: list[Sequence]) -> bool:
+        """`speculate="auto"`: whether this batch drafts (the engine's `CostModel`, per batch bucket, with
+        the rows' own tokens per verification)."""
+        return self._costs().worth_drafting(bucket(len(seqs), self.buckets), [s.spec_tokens for s in seqs])
 
     def reset_cost_model(self) -> None:
         """Forget the cost model's measurements (after steps timed under a profiler, say: its overhead
@@ -464,7 +465,7 @@ class Engine:
         c, B, stats, k = self.config, len(seqs), self.stats.speculative, self.drafter.k
         caps, batch_cap = self._verify_caps(seqs)
         static = self.vio is not None and batch_cap >= k
-        if static and self.speculate == "auto" and not self._worth_drafting(B):
+        if static and self.speculate == "auto" and not self._worth_drafting(seqs):
             return self._plain_step(seqs)  # the drafter sees these tokens when it drafts next
         self._catch_up(seqs)  # a cost of the plain steps before, not of this one
         t0 = time.perf_counter()
@@ -532,6 +533,8 @@ class Engine:
             self._measure("spec", B, time.perf_counter() - t0, sum(len(tokens) for tokens, _ in plans))
         for b, (seq, v, (tokens, reason)) in enumerate(zip(seqs, verdicts, plans)):
             stats.record(lengths[b], v.accepted, len(tokens))
+            if reason is None:  # a finishing row's count is cut by its end, not by its drafts
+                seq.spec_tokens = len(tokens) if seq.spec_tokens is None else 0.7 * seq.spec_tokens + 0.3 * len(tokens)
             logprobs = self._logprobs([seq] * len(tokens), logits[b, :len(tokens)], tokens)
             for j, (token, (lp, top)) in enumerate(zip(tokens, logprobs)):
                 last = j == len(tokens) - 1

@@ -52,6 +52,7 @@ class Sequence:
     replayed_tokens: int = 0  # cached tokens run through the encoder again (window rebuild)
     prefill_ms: float = 0.0
     decode_s: float = 0.0
+    spec_tokens: float | None = None  # tokens per verification of this sequence, moving average (CostModel)
     arrival: float = field(default_factory=time.perf_counter)
     n_preemptions: int = 0
 

@@ -118,11 +118,12 @@ class CostModel:
     plain one — both measured on whole steps (wall time per row). A bucket's first step of each kind is not
     counted (it captures graphs); the time of a kind is the median of its last `window` counted steps (robust
     to a step that captured another graph, or caught the drafter up); tokens per row of speculative steps are a
-    moving average over every bucket (acceptance depends on the text, not the batch). It drafts until a bucket
-    has `warmup` counted speculative steps; until a plain step is counted there, the profiled step-time curve
+    moving average over every bucket (acceptance depends on the text, not the batch), or the mean of the
+    batch's rows' own averages where they have one. It drafts until a bucket has `warmup` counted speculative
+    steps; until a plain step is counted there, the profiled step-time curve
     stands for it; after `probe_every` plain steps in a row it drafts once again (acceptance changes)."""
 
-    def __init__(self, step_time: Callable[[int], float], *, warmup: int = 3, window: int = 5,
+    def __init__(self, step_time: Callable[[int], float], *, warmup: int = 2, window: int = 5,
                  probe_every: int = 32, smoothing: float = 0.1):
         self.step_time, self.warmup, self.window = step_time, warmup, window
         self.probe_every, self.smoothing = probe_every, smoothing
@@ -154,7 +155,10 @@ class CostModel:
         mid = len(ts) // 2
         return ts[mid] if len(ts) % 2 else 0.5 * (ts[mid - 1] + ts[mid])
 
-    def worth_drafting(self, bucket: int) -> bool:
+    def worth_drafting(self, bucket: int, rows: Sequence[float | None] | None = None) -> bool:
+        """rows: each row's own tokens per verification so far (None: none yet — the average stands for it);
+        the batch's mean is what a speculative step is expected to emit (the rows left at the end of a run
+        are often the ones whose drafts fail)."""
         if len(self.times.get(("spec", bucket), [])) < self.warmup or self.tokens is None:
             return True  # measure it
         if self.plain_run.get(bucket, 0) >= self.probe_every:
@@ -162,7 +166,10 @@ class CostModel:
         t_plain = self.median("plain", bucket)
         if t_plain is None:
             t_plain = self.step_time(bucket) / bucket
-        return self.tokens / self.median("spec", bucket) > 1 / t_plain
+        tokens = self.tokens
+        if rows:
+            tokens = sum(self.tokens if n is None else n for n in rows) / len(rows)
+        return tokens / self.median("spec", bucket) > 1 / t_plain
 
     def summary(self) -> dict:
         """Per (kind, bucket): the median s per row and the steps seen; the speculative tokens per row."""
