@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                "mean_tokens_per_verification": st.mean_tokens_per_verification, "accepted_histogram": st.histogram,
                "length_histogram": st.length_histogram, "step_time_curve": spec_engine.step_time.to_dict(),
                "plain_steps": st.plain_steps, "verification_forwards": st.forwards,
-               "cost_model": spec_engine.cost_model.summary() if spec_engine.cost_model else None,
+               "cost_model": spec_engine.cost_model.summary(),
                "verify_graphs": spec_engine.vgraphs.captures if spec_engine.vgraphs is not None else 0,
                "profile_s": profile_s}
         report["runs"].append(run)

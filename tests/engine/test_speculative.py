@@ -229,6 +229,10 @@ def test_the_oracle_drafts_are_all_accepted_and_random_drafts_none():
     assert _run(oracle, prompts, [9] * 3) == plain
     st = oracle.stats.speculative
     assert st.accepted == st.drafted > 0, st.summary()
+    seq = oracle.add_request(prompts[0], SamplingParams(max_tokens=11))  # 1 from prefill, then 5 + 5
+    while oracle.has_work():
+        oracle.step()
+    assert seq.spec_tokens == 5.0  # its own average: k + 1 per verification, the finishing one not counted
     random = Engine(model, max_batch=3, max_seq_len=128, drafter=NoisyDrafter(model.config.vocab_size, 4),
                     step_time=FLAT)
     assert _run(random, prompts, [9] * 3) == plain
@@ -404,6 +408,7 @@ def test_the_cost_model_drafts_only_where_measured_speculative_steps_beat_plain_
     assert model.median("spec", 8) == pytest.approx(0.052)
     model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)
     assert model.median("spec", 8) == 0.004 and model.tokens == 2.0  # 500 tokens/s per row
+    assert CostModel.row_average(None, 4) == 4.0 and CostModel.row_average(4.0, 1) == pytest.approx(3.1)
     # no plain step counted yet: the curve (1 s per step of 8 rows = 0.125 s per row) is far slower
     assert model.worth_drafting(8)
     model.record("plain", 8, 8, 1.0, 8)  # the capture step: not counted

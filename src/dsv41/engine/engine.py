@@ -152,7 +152,7 @@ class Engine:
         _keep_fp32_weights_in_fp32(model)
         self.step_time = step_time
         self.speculate = speculate
-        self.cost_model: CostModel | None = None  # speculate="auto" (`CostModel`), made with the step-time curve
+        self.cost_model = CostModel(lambda n: self.step_time(n))  # speculate="auto"; the curve is profiled below
         self._drafter_seen: dict[int, int] = {}  # sequence id → tokens the drafter has observed
         self.buckets = batch_buckets(max_batch)  # the padded batch sizes of the static steps (their graphs)
         decode_tokens = 1
@@ -399,21 +399,16 @@ class Engine:
     def _worth_drafting(self, seqs: list[Sequence]) -> bool:
         """`speculate="auto"`: whether this batch drafts (the engine's `CostModel`, per batch bucket, with
         the rows' own tokens per verification)."""
-        return self._costs().worth_drafting(bucket(len(seqs), self.buckets), [s.spec_tokens for s in seqs])
+        return self.cost_model.worth_drafting(bucket(len(seqs), self.buckets), [s.spec_tokens for s in seqs])
 
     def reset_cost_model(self) -> None:
         """Forget the cost model's measurements (after steps timed under a profiler, say: its overhead
         would make every speculative step look slow)."""
-        self._costs().reset()
+        self.cost_model.reset()
 
     def _measure(self, kind: str, B: int, seconds: float, tokens: int) -> None:
         """One step's wall time and tokens into the cost model."""
-        self._costs().record(kind, bucket(B, self.buckets), B, seconds, tokens)
-
-    def _costs(self) -> CostModel:
-        if self.cost_model is None:
-            self.cost_model = CostModel(lambda n: self.step_time(n))
-        return self.cost_model
+        self.cost_model.record(kind, bucket(B, self.buckets), B, seconds, tokens)
 
     def _propose(self, seqs: list[Sequence], *, wait: bool = True):
         """The drafter's proposal for the batch, its shapes checked (None when it fails), and with `wait` its
@@ -534,7 +529,7 @@ class Engine:
         for b, (seq, v, (tokens, reason)) in enumerate(zip(seqs, verdicts, plans)):
             stats.record(lengths[b], v.accepted, len(tokens))
             if reason is None:  # a finishing row's count is cut by its end, not by its drafts
-                seq.spec_tokens = len(tokens) if seq.spec_tokens is None else 0.7 * seq.spec_tokens + 0.3 * len(tokens)
+                seq.spec_tokens = self.cost_model.row_average(seq.spec_tokens, len(tokens))
             logprobs = self._logprobs([seq] * len(tokens), logits[b, :len(tokens)], tokens)
             for j, (token, (lp, top)) in enumerate(zip(tokens, logprobs)):
                 last = j == len(tokens) - 1

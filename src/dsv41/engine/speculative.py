@@ -148,6 +148,11 @@ class CostModel:
             n = tokens / rows
             self.tokens = n if self.tokens is None else (1 - self.smoothing) * self.tokens + self.smoothing * n
 
+    @staticmethod
+    def row_average(previous: float | None, tokens: int) -> float:
+        """A sequence's tokens per verification (`Sequence.spec_tokens`) after one more verification."""
+        return float(tokens) if previous is None else 0.7 * previous + 0.3 * tokens
+
     def median(self, kind: str, bucket: int) -> float | None:
         ts = sorted(self.times.get((kind, bucket), []))
         if not ts:
