@@ -15,8 +15,10 @@ seconds only unless --sync-drafter, which then costs the run its host/device ove
 drafter" = what a free drafter would give — the oracle drafter is a second copy of the model and costs as
 much as the main one), GPU kernel time per generated token (torch.profiler, over
 `--profile-steps` steps) and the acceptance statistics; the outputs are checked equal (greedy is
-lossless; a differing output is checked for a near tie at its first difference). Writes
-benchmarks/results/speculative-<date>-<dtype>.json.
+lossless; a differing output is checked for a near tie at its first difference). With
+--requests-per-slot R > 1, R × batch requests stream through max_batch = batch (finished rows refilled):
+"steady" tokens/s is then measured while every slot is busy, without a closed batch's ragged tail. Writes
+benchmarks/results/speculative-<date>-<dtype>[-<tag>].json, with the cost model's per-step timeline.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class TimedDrafter:
         self.features_at = getattr(drafter, "features_at", "output")
         if hasattr(drafter, "observe_many"):  # the engine's batched hand-over, when the drafter has one
             self.observe_many = lambda *args: self._timed(drafter.observe_many, *args)
+        if hasattr(drafter, "warm_up"):  # the engine captures the drafter's graphs at start-up
+            self.warm_up = drafter.warm_up
 
     def _timed(self, fn, *args):
         self.sync()
@@ -87,27 +91,39 @@ def gpu_seconds(engine, steps: int, device: str) -> tuple[float | None, int]:
 
 
 def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, profile_steps: int,
-               drafter: TimedDrafter | None) -> dict:
+               drafter: TimedDrafter | None, slots: int) -> dict:
+    """The requests through `engine` (max_batch = slots; more requests than slots refill the batch as rows
+    finish). Timed from the step where the first `slots` requests all decode; "steady" = up to the step after
+    which fewer than `slots` rows are left (every slot busy), "tokens_per_s" = to the end (the tail of a
+    closed batch included)."""
     from dsv41.engine.sampling import SamplingParams
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     seqs = [engine.add_request(p, SamplingParams(max_tokens=new_tokens)) for p in prompts]
-    while any(s.prefilling or s.next_token is None for s in seqs if not s.finished) and engine.has_work():
-        engine.step()  # every prefill done: the decode phase starts
+    first = seqs[:slots]
+    while any(s.prefilling or s.next_token is None for s in first if not s.finished) and engine.has_work():
+        engine.step()  # every prefill of the first batch done: the decode phase starts
     gpu_s, gpu_tokens = gpu_seconds(engine, profile_steps, device)
     sync()
     if drafter is not None:  # the profiler's host overhead would make the cost model's speculative steps look slow
         engine.reset_cost_model()
     drafter_s0 = drafter.seconds if drafter is not None else 0.0
     tokens0, t0 = sum(len(s.output) for s in seqs), time.perf_counter()
+    steady = None  # (tokens, seconds) while every slot was busy
     while engine.has_work():
         engine.step()
+        if steady is None and sum(not s.finished for s in seqs) < slots:
+            sync()
+            steady = (sum(len(s.output) for s in seqs) - tokens0, time.perf_counter() - t0)
     sync()
     elapsed = time.perf_counter() - t0
     tokens = sum(len(s.output) for s in seqs) - tokens0
     drafter_s = (drafter.seconds - drafter_s0) if drafter is not None else 0.0
     return {"outputs": [s.output for s in seqs], "decode_tokens": tokens, "decode_s": elapsed,
-            "tokens_per_s": tokens / elapsed if elapsed else None, "drafter_s": drafter_s,
+            "tokens_per_s": tokens / elapsed if elapsed else None,
+            "steady_tokens": steady[0] if steady else None, "steady_s": steady[1] if steady else None,
+            "steady_tokens_per_s": steady[0] / steady[1] if steady and steady[1] else None,
+            "drafter_s": drafter_s,
             "tokens_per_s_excluding_drafter": tokens / (elapsed - drafter_s) if elapsed > drafter_s else None,
             "gpu_s_per_token": gpu_s / gpu_tokens if gpu_s is not None and gpu_tokens else None}
 
@@ -168,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: the engine decodes plainly where its cost model says drafting does not pay")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--requests-per-slot", type=int, default=1,
+                    help="requests = this × the batch, through max_batch = the batch: finished rows are refilled, "
+                         "so the steady tokens/s is measured with every slot busy (1: one closed batch)")
     ap.add_argument("--profile-steps", type=int, default=8, help="steps under torch.profiler (GPU time)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                     help="the model's (and drafter's) dtype (fp32: greedy outputs compare exactly but for near ties)")
@@ -175,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="synchronize the device around each drafter call, so drafter_s is its device time too "
                          "(the speculative run then loses the overlap of host and device: slower)")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--tag", default="", help="suffix of the result file's name")
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("speculative: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
@@ -207,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
               "new_tokens": args.new_tokens, "runs": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"speculative-{report['date']}-{args.dtype}.json"
+    path = out / f"speculative-{report['date']}-{args.dtype}{'-' + args.tag if args.tag else ''}.json"
     if args.draft_tokens is None:
         args.draft_tokens = c.dspark_block_size or 4
         if args.drafter == "dspark":
@@ -217,13 +237,18 @@ def main(argv: list[str] | None = None) -> int:
             args.draft_tokens = read_config(d).dspark_block_size if (d / "config.json").is_file() else 4
     report["draft_tokens"] = args.draft_tokens
     max_seq_len = args.prompt_len + args.new_tokens + args.draft_tokens + 8
-    text = text_prompts(args.text, args.prompt_len, max(args.batches)) if args.text else None
+    if args.requests_per_slot < 1:
+        print("speculative: --requests-per-slot must be >= 1", file=sys.stderr)
+        return 2
+    R = args.requests_per_slot
+    report["requests_per_slot"] = R
+    text = text_prompts(args.text, args.prompt_len, R * max(args.batches)) if args.text else None
     report["prompts"] = f"validation windows of {args.text}" if text else "random token ids"
     for B in args.batches:
-        prompts = (text[:B] if text else
-                   torch.randint(3, c.vocab_size, (B, args.prompt_len), generator=g).tolist())
+        prompts = (text[:R * B] if text else
+                   torch.randint(3, c.vocab_size, (R * B, args.prompt_len), generator=g).tolist())
         plain = Engine(model, max_batch=B, max_seq_len=max_seq_len, prefill_layers=None)
-        base = decode_run(plain, prompts, args.new_tokens, args.device, args.profile_steps, None)
+        base = decode_run(plain, prompts, args.new_tokens, args.device, args.profile_steps, None, B)
         del plain
         try:
             kind = "oracle" if args.drafter == "noisy" else args.drafter
@@ -239,20 +264,24 @@ def main(argv: list[str] | None = None) -> int:
         spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate,
                              prefill_layers=None)
         profile_s = time.perf_counter() - t0
-        spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter)
+        spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter, B)
         st = spec_engine.stats.speculative
         plain_out, spec_out = base.pop("outputs"), spec.pop("outputs")
         same = sum(a == b for a, b in zip(plain_out, spec_out))
         ratio = lambda a, b: a / b if a and b else None  # noqa: E731
-        run = {"batch": B, "plain": base, "speculative": spec, "lossless_requests": f"{same}/{B}",
+        run = {"batch": B, "requests": len(prompts), "plain": base, "speculative": spec,
+               "lossless_requests": f"{same}/{len(prompts)}",
                "divergences": divergences(model, prompts, plain_out, spec_out),
                "speedup": ratio(spec["tokens_per_s"], base["tokens_per_s"]),
+               "steady_speedup": ratio(spec["steady_tokens_per_s"], base["steady_tokens_per_s"]),
                "speedup_excluding_drafter": ratio(spec["tokens_per_s_excluding_drafter"], base["tokens_per_s"]),
                "gpu_time_ratio_plain_over_spec": ratio(base["gpu_s_per_token"], spec["gpu_s_per_token"]),
                "mean_tokens_per_verification": st.mean_tokens_per_verification, "accepted_histogram": st.histogram,
                "length_histogram": st.length_histogram, "step_time_curve": spec_engine.step_time.to_dict(),
                "plain_steps": st.plain_steps, "verification_forwards": st.forwards,
                "cost_model": spec_engine.cost_model.summary(),
+               "timeline": [[kind, b, rows, round(sec * 1e3, 3), n]  # kind, bucket, rows, ms, tokens per step
+                            for kind, b, rows, sec, n in spec_engine.cost_model.timeline],
                "verify_graphs": spec_engine.vgraphs.captures if spec_engine.vgraphs is not None else 0,
                "profile_s": profile_s}
         report["runs"].append(run)
@@ -261,12 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     print(f"wrote {path}")
-    print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'x':>6} {'x (no drafter)':>15} {'GPU x':>6} "
-          f"{'tok/verif':>9} lossless")
+    print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'x':>6} {'x steady':>9} {'x (no drafter)':>15} "
+          f"{'GPU x':>6} {'tok/verif':>9} lossless")
     fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else "-"  # noqa: E731
     for r in report["runs"]:
         print(f"{r['batch']:>5} {fmt(r['plain']['tokens_per_s']):>12} {fmt(r['speculative']['tokens_per_s']):>11} "
-              f"{fmt(r['speedup']):>6} {fmt(r['speedup_excluding_drafter']):>15} "
+              f"{fmt(r['speedup']):>6} {fmt(r['steady_speedup']):>9} {fmt(r['speedup_excluding_drafter']):>15} "
               f"{fmt(r['gpu_time_ratio_plain_over_spec']):>6} {r['mean_tokens_per_verification']:>9.2f} "
               f"{r['lossless_requests']}")
     return 0

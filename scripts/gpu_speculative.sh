@@ -6,6 +6,7 @@
 # are larger than what one call carries; scripts/device_tree.sh). Files in OUT_DIR (default
 # $OUT, else /tmp/dsv41-gpu): spec-<dtype>.log and benchmarks/speculative.py's JSON per dtype (DTYPES, default
 # fp32), and with PHASES="1 64" benchmarks/spec_phases.py's breakdown at those batches (the first dtype).
+# BATCHES (default "1 64") and SPEC_ARGS (more arguments, e.g. "--requests-per-slot 4 --tag r4") pass through.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/dsv41-gpu}}"
@@ -18,7 +19,8 @@ if [ ! -f models/dsv41-small/dspark/config.json ]; then
 fi
 for dt in ${DTYPES:-fp32}; do  # DTYPES="fp32 bf16": both
     timeout "${SPEC_S:-420}" python3 benchmarks/speculative.py --drafter dspark --checkpoint models/dsv41-small \
-        --text data/sample --batches ${BATCHES:-1 64} --dtype "$dt" --out "$out" 2>&1 | tee "$out/spec-$dt.log" | tail -4
+        --text data/sample --batches ${BATCHES:-1 64} --dtype "$dt" --out "$out" ${SPEC_ARGS:-} 2>&1 \
+        | tee -a "$out/spec-$dt.log" | tail -4
 done
 for b in ${PHASES:-}; do  # PHASES="1 64": the phase breakdown too (benchmarks/spec_phases.py)
     python3 benchmarks/spec_phases.py --checkpoint models/dsv41-small --text data/sample --batch "$b" \

@@ -482,3 +482,48 @@ def test_graphed_observe_many_equals_eager_and_its_replay_makes_no_host_sync(dty
             timings[(name, B)] = (time.perf_counter() - t0) / 20 * 1e3
     print(f"\n{dtype} graphed vs eager rings max |err| {worst:.2e}; observe_many ms: "
           + ", ".join(f"{n} B={B}: {ms:.3f}" for (n, B), ms in timings.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_warm_up_captures_every_graph_a_run_needs_and_leaves_started_sequences_alone():
+    """`warm_up` (the engine calls it at start-up): afterwards proposals and hand-overs of any batch and span
+    capture nothing more; the captures ran on padding rows, so the rings and counts of sequences started
+    before it are unchanged (byte-compare), and its proposals equal an eager drafter's."""
+    _, drafter = _models(seed=120)
+    drafter.to("cuda")
+    graphed = DSparkDrafter(drafter, max_sequences=16)
+    eager = DSparkDrafter(drafter, max_sequences=16, cuda_graphs=False)
+    g = torch.Generator().manual_seed(121)
+    ids = list(range(9))
+    for s in ids:
+        n = int(torch.randint(1, 4 * WINDOW, (1,), generator=g))
+        tokens = torch.randint(17, 16384, (n,), generator=g).cuda()
+        feats = {i: f.cuda() for i, f in _features(drafter, (min(n, WINDOW + 2),), g).items()}
+        for d in (graphed, eager):
+            d.start(s)
+            d.observe(s, tokens, feats)
+    rings, observed = [r.clone() for r in graphed.rings], graphed.observed.clone()
+    before = graphed.captures  # the observes above captured their (1, Tb) hand-overs
+    assert graphed.warm_up() > 0
+    captured = graphed.captures
+    spans = {1 << t for t in range(WINDOW.bit_length()) if 1 << t <= WINDOW}  # 1, 2, 4, 8 = WINDOW
+    assert set(graphed.observe_graphs.graphs) == {(b, t) for b in graphed.buckets for t in spans}
+    assert set(graphed.graphs.graphs) == {(b,) for b in graphed.buckets}
+    assert captured - before == len(graphed.buckets) * (len(spans) + 1) - before
+    live = graphed.dummy
+    assert all(torch.equal(a[:live], b[:live]) for a, b in zip(graphed.rings, rings))
+    assert torch.equal(graphed.observed[:live], observed[:live])
+    assert graphed.warm_up() == 0  # idempotent
+    for B, T in ((1, 1), (3, drafter.block_size + 1), (9, WINDOW), (5, 3), (2, WINDOW + 3)):
+        batch = ids[:B]
+        last = torch.randint(17, 16384, (B,), generator=g).cuda()
+        got, want = graphed.propose(batch, last), eager.propose(batch, last)
+        assert torch.equal(got.tokens, want.tokens), (B, got.tokens, want.tokens)
+        keep = torch.randint(0, T + 1, (B,), generator=g).tolist()
+        tokens = torch.randint(17, 16384, (B, T), generator=g).cuda()
+        feats = {i: f.cuda() for i, f in _features(drafter, (B, T), g).items()}
+        for d in (graphed, eager):
+            d.observe_many(batch, tokens, feats, keep)
+    assert graphed.captures == captured, "a call after warm_up captured a graph"

@@ -111,10 +111,14 @@ class StepGraphs:
 
     def run(self, *key: int) -> None:
         """Replay (capturing first if needed) the step of the padded shape `key`."""
+        self.ensure(*key).replay()
+
+    def ensure(self, *key: int) -> torch.cuda.CUDAGraph:
+        """The graph of `key`, captured now if it was not yet."""
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(key)
-        graph.replay()
+        return graph
 
     def _capture(self, key: tuple[int, ...]) -> torch.cuda.CUDAGraph:
         real = self.inputs.clone()
@@ -182,6 +186,29 @@ class DSparkDrafter:
             for moe in drafter.moe_layers():  # capturable MoE dispatch: every expert on every token
                 if moe.n_routed <= 4 * moe.topk:
                     moe.moe_impl = "dense"
+
+    @torch.no_grad()
+    def warm_up(self, buckets: list[int] | None = None) -> int:
+        """Capture every graph a run can ask for, now: the propose graph of each batch bucket and the
+        hand-over's commit of each (bucket, power of two ≤ window) — otherwise the first step at a new batch
+        size (a closed batch's rows finishing one by one) or the first catch-up after a run of plain steps
+        of a new length pays a capture (tens of ms) in the middle of decoding. Captures run on padding rows
+        only: no started sequence's state is read or written. Returns the graphs captured; a no-op
+        without graphs (the CPU)."""
+        before = self.captures
+        buckets = [b for b in (buckets or self.buckets) if b <= self.max_sequences]
+        spans = sorted({min(self.window, 1 << t) for t in range(self.window.bit_length() + 1)})
+        for Bb in buckets:
+            for Tb in spans if self.observe_graphs is not None else ():
+                self.observe_graphs.ensure(Bb, Tb)
+            if self.graphs is not None:
+                self.graphs.ensure(Bb)
+        return self.captures - before
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured so far (propose and hand-over)."""
+        return sum(g.captures for g in (self.graphs, self.observe_graphs) if g is not None)
 
     # ------------------------------------------------------------------ sequences
     def features_wanted(self) -> list[int]:

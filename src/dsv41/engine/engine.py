@@ -161,6 +161,9 @@ class Engine:
             if self.step_time is None:  # the start-up profile the verification-length scheduler plans with
                 self.step_time = profile_step_time(self._timed_static_step, self.pools, c, k=drafter.k,
                                                    batch_sizes=self.buckets)
+            warm_up = getattr(drafter, "warm_up", None)
+            if warm_up is not None:  # the drafter's graphs of every bucket now, not mid-run (DSparkDrafter.warm_up)
+                warm_up(self.buckets)
         self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch,
                                    decode_tokens=decode_tokens, prefill_layers=prefill_layers)
         self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import copy
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -134,11 +135,14 @@ class CostModel:
         self.steps: dict[tuple[str, int], int] = {}  # (kind, bucket) → steps seen, the uncounted first included
         self.tokens: float | None = None  # tokens per row of a speculative step, moving average
         self.plain_run: dict[int, int] = {}  # bucket → plain steps since its last speculative one
+        # (kind, bucket, rows, s, tokens) of the last steps, for benchmarks; bounded for a long-running server
+        self.timeline: deque[tuple[str, int, int, float, int]] = deque(maxlen=4096)
 
     def record(self, kind: str, bucket: int, rows: int, seconds: float, tokens: int) -> None:
         if kind not in ("spec", "plain"):
             raise ValueError(f"kind must be 'spec' or 'plain', got {kind!r}")
         key = (kind, bucket)
+        self.timeline.append((kind, bucket, rows, seconds, tokens))
         self.steps[key] = self.steps.get(key, 0) + 1
         self.plain_run[bucket] = self.plain_run.get(bucket, 0) + 1 if kind == "plain" else 0
         if self.steps[key] == 1:
