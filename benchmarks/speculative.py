@@ -95,17 +95,22 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
     """The requests through `engine` (max_batch = slots; more requests than slots refill the batch as rows
     finish). Timed from the step where the first `slots` requests all decode; "steady" = up to the step after
     which fewer than `slots` rows are left (every slot busy), "tokens_per_s" = to the end (the tail of a
-    closed batch included)."""
+    closed batch included). Then the GPU time per token: the first `slots` prompts once more, `profile_steps`
+    steps under torch.profiler (after the timed run, so both engines' timed windows start at the same point),
+    the rest aborted."""
     from dsv41.engine.sampling import SamplingParams
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    seqs = [engine.add_request(p, SamplingParams(max_tokens=new_tokens)) for p in prompts]
-    first = seqs[:slots]
-    while any(s.prefilling or s.next_token is None for s in first if not s.finished) and engine.has_work():
-        engine.step()  # every prefill of the first batch done: the decode phase starts
-    gpu_s, gpu_tokens = gpu_seconds(engine, profile_steps, device)
-    sync()
-    if drafter is not None:  # the profiler's host overhead would make the cost model's speculative steps look slow
+
+    def start(batch):
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=new_tokens)) for p in batch]
+        while any(s.prefilling or s.next_token is None for s in seqs[:slots] if not s.finished) and engine.has_work():
+            engine.step()  # every prefill of the first batch done: the decode phase starts
+        sync()
+        return seqs
+
+    seqs = start(prompts)
+    if drafter is not None:  # steps that ran prefill pieces too would make the cost model's steps look slow
         engine.reset_cost_model()
     drafter_s0 = drafter.seconds if drafter is not None else 0.0
     tokens0, t0 = sum(len(s.output) for s in seqs), time.perf_counter()
@@ -119,6 +124,13 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
     elapsed = time.perf_counter() - t0
     tokens = sum(len(s.output) for s in seqs) - tokens0
     drafter_s = (drafter.seconds - drafter_s0) if drafter is not None else 0.0
+    gpu_s, gpu_tokens = None, 0
+    if device.startswith("cuda") and profile_steps > 0:
+        again = start(prompts[:slots])
+        gpu_s, gpu_tokens = gpu_seconds(engine, profile_steps, device)
+        for s in again:
+            if not s.finished:
+                engine.abort(s)
     return {"outputs": [s.output for s in seqs], "decode_tokens": tokens, "decode_s": elapsed,
             "tokens_per_s": tokens / elapsed if elapsed else None,
             "steady_tokens": steady[0] if steady else None, "steady_s": steady[1] if steady else None,

@@ -491,7 +491,8 @@ def test_warm_up_captures_every_graph_a_run_needs_and_leaves_started_sequences_a
     """`warm_up` (the engine calls it at start-up): afterwards proposals and hand-overs of any batch and span
     capture nothing more; the captures ran on padding rows, so the rings and counts of sequences started
     before it are unchanged (byte-compare), and its proposals equal an eager drafter's."""
-    _, drafter = _models(seed=120)
+    main, drafter = _models(seed=120)
+    main.to("cuda")  # the drafter shares its embedding and head
     drafter.to("cuda")
     graphed = DSparkDrafter(drafter, max_sequences=16)
     eager = DSparkDrafter(drafter, max_sequences=16, cuda_graphs=False)

@@ -13,11 +13,11 @@ The engine speaks token ids (tokenization happens at the edges). `generate` is t
 Every pool is allocated once (`BlockManager`); running out of pages preempts the newest sequence
 to host memory (bit-exact swap) instead of reserving worst-case memory up front.
 With a `drafter` (speculative decoding, `engine/speculative.py`, docs/speculative.md) step 1 becomes:
-the drafter proposes k tokens per sequence, a verification length per sequence is chosen against
-the step-time curve profiled at start-up, the main model verifies them in one forward through the
-caches (the static verification step of k + 1 positions, CUDA-graphed like the decode step), the
-accepted prefix (+ one token) is emitted and everything else is rolled back; where the cost model says
-drafting does not pay at this batch size, the step decodes plainly instead.
+the drafter proposes k tokens per sequence, the main model verifies them in one forward through the
+caches (the static verification step of k + 1 positions, CUDA-graphed like the decode step; the
+host-driven forward near max_seq_len verifies per-row lengths chosen against the step-time curve
+profiled at start-up), the accepted prefix (+ one token) is emitted and everything else is rolled back;
+where the cost model says drafting does not pay at this batch size, the step decodes plainly instead.
 A request that fails alone (a sampler error, say) finishes with `error` set; the others go on.
 """
 
@@ -443,17 +443,15 @@ class Engine:
         out.copy_(self._anchors[:B], non_blocking=True)
         return out
 
-    def _fetch_proposal(self, prop, drafts: Tensor) -> tuple[list[list[int]], list[bool], list[list[float]]]:
+    def _fetch_proposal(self, prop, drafts: Tensor) -> tuple[list[list[int]], list[bool]]:
         """After the verification step: the drafts (B, k) the step ran (the proposal's ids clamped into the
-        vocabulary — a row that needed it verifies nothing), per row whether its ids were valid, and the
-        confidences."""
+        vocabulary — a row that needed it verifies nothing) and per row whether its ids were valid."""
         tokens = prop.tokens.long()
         bad = ((tokens < 0) | (tokens >= self.config.vocab_size)).any(dim=1, keepdim=True)  # (B, 1)
         rows = torch.cat((drafts, bad.long()), dim=1).tolist()  # waits for the step
-        confidence = prop.confidence.float().clamp(0, 1).tolist()
         if any(row[-1] for row in rows):
             log.warning("the drafter proposed token ids outside the vocabulary; those rows verify no drafts")
-        return [row[:-1] for row in rows], [not row[-1] for row in rows], confidence
+        return [row[:-1] for row in rows], [not row[-1] for row in rows]
 
     def _speculate(self, seqs: list[Sequence]) -> list[StepOutput]:
         """One verification step: propose, choose lengths, verify in one forward, accept, roll back, emit (the
@@ -476,19 +474,15 @@ class Engine:
             if prop is None:
                 return self._plain_step(seqs)
             # the drafts go from the proposal into the step's token rows on the device: no host round trip
-            # before the forward; the host learns them (and the confidences) after it, in the step's one wait.
-            # Lengths are chosen then: they cap each row's acceptance (0: the step emits what a plain one would)
+            # before the forward; the host learns them after it, in the step's one wait. The k + 1 positions
+            # are computed by then, so every row verifies all it may (its cap; 0 where the drafter proposed
+            # ids outside the vocabulary): shortening it now would save nothing. Whether to draft at all is
+            # decided before the step (`speculate="auto"`, the cost model).
             on_device = prop.tokens.long().clamp(0, c.vocab_size - 1)  # (B, k)
             logits = self._run_static(self.vio, self.vgraphs, caches, [[s.next_token] * T for s in seqs],
                                       drafts=on_device)  # (B, T, V) fp32
-            drafts, valid, confidence = self._fetch_proposal(prop, on_device)
-            Bb = bucket(B, self.buckets)
-
-            def step_time(n: int) -> float:
-                return self.step_time(Bb * (1 if n <= B else k + 1))
-
-            lengths = choose_lengths(confidence, [min(cap, batch_cap) if ok else 0 for cap, ok in zip(caps, valid)],
-                                     step_time, padded=True)
+            drafts, valid = self._fetch_proposal(prop, on_device)
+            lengths = [min(cap, batch_cap) if ok else 0 for cap, ok in zip(caps, valid)]
             block = [[s.next_token] + d for s, d in zip(seqs, drafts)]
             features = {layer: self.vio.features[j, :B] for j, layer in enumerate(self.vio.capture_layers)}
             projections = {s: (kv[:B], sc[:B]) for s, (kv, sc) in self.vio.projections.items()}
