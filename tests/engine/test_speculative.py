@@ -240,6 +240,25 @@ def test_the_oracle_drafts_are_all_accepted_and_random_drafts_none():
     assert st.accepted == 0 and st.drafted > 0 and st.histogram[0] == st.verifications, st.summary()
 
 
+def test_the_static_step_verifies_every_draft_it_computed_even_on_a_steep_curve():
+    """The static verification step computes k + 1 positions whatever the lengths: shortening them after the
+    forward (what `choose_lengths` would do on a compute-bound, steep step-time curve) would only throw
+    accepted drafts away. With the oracle every row verifies its whole cap and accepts all of it."""
+    model = engine_test_model(44)
+    prompts, _ = _prompts(model, 3, 44)
+    plain = _run(Engine(model, max_batch=3, max_seq_len=128), prompts, [13] * 3)
+    steep = StepTimeCurve([(1, 1.0), (1000, 1000.0)])  # a step costs its tokens: the scheduler would verify none
+    engine = Engine(model, max_batch=3, max_seq_len=128, drafter=OracleDrafter(model, 4, max_sequences=3,
+                                                                                 max_seq_len=128),
+                    step_time=steep, speculate="always")
+    assert engine.vio is not None  # the static step
+    assert _run(engine, prompts, [13] * 3) == plain
+    st = engine.stats.speculative
+    # 12 tokens after the prefill's first: verifications of 4 + 1, 4 + 1, then a cap of 1 (tokens left − 1)
+    assert st.length_histogram[4] == 2 * len(prompts), st.length_histogram
+    assert st.accepted == st.drafted == sum(n * c for n, c in enumerate(st.length_histogram)), st.summary()
+
+
 def test_sampled_speculation_draws_every_token_from_plain_samplings_conditional():
     """Each token of a sampled speculative run must be distributed as p(· | the tokens before it), the
     distribution plain sampling draws from (temperature 1.2, top-k 8, from the full forward of the

@@ -30,7 +30,9 @@ from dsv41.train.trainer import (
     train_config_from_overrides,
 )
 
-GOLDEN_RTOL = 1e-4  # 30 CPU fp32 steps, 2 threads: reduction order is fixed, so only libm/ISA drift
+GOLDEN_RTOL = 5e-4  # 30 CPU fp32 steps, 2 threads: reduction order is fixed, so only libm/ISA drift (2.0e-4
+# measured on an AMD EPYC, the curve having been written on another CPU); a 5 % larger learning rate moves the
+# curve by 3.5e-3. Model constants have their own tests (a 5 % RoPE base change moves this curve by 1.3e-4 only).
 
 
 @pytest.fixture(scope="module")

@@ -216,8 +216,6 @@ def indexer_kl(q: Tensor, entries: Tensor, allowed: Tensor, index_scores: Tensor
 
     The target is detached: heads' probabilities summed and renormalized (SPEC §3 decision)."""
     has_any = allowed.any(-1)  # (B, T)
-    if not bool(has_any.any()):
-        return index_scores.new_zeros(())
     with torch.no_grad():
         logits = torch.einsum("bthd,bsd->bhts", q.float(), entries.float()).double() * scale
         logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
@@ -225,8 +223,10 @@ def indexer_kl(q: Tensor, entries: Tensor, allowed: Tensor, index_scores: Tensor
         target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
     log_pred = torch.log_softmax(index_scores.double().masked_fill(~allowed, float("-inf")), dim=-1)
     kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred), torch.zeros_like(target))
-    per_query = kl.sum(-1)[has_any]
-    loss = per_query.mean() if n_queries is None else per_query.sum() / n_queries.clamp_min(1)
+    # a query without an allowed entry has target 0, so its row of kl is 0: sums need no boolean indexing
+    # (no host sync, no data-dependent shape)
+    total = kl.sum()
+    loss = total / (has_any.sum() if n_queries is None else n_queries).clamp_min(1)
     return loss.to(index_scores.dtype)
 
 
@@ -352,10 +352,12 @@ class Attention(nn.Module):
 
 def candidate_layout(slots, block_size: int) -> tuple[Tensor, int]:
     """(block id of every slot (B, N), number of blocks): blocks of `block_size` entries counted
-    inside each document (a document's first slot starts a block)."""
+    inside each document (a document's first slot starts a block). The number of blocks is the static
+    bound N (every block holds a slot): no host sync, shapes fixed by the slots' (torch.compile); the
+    blocks past a row's last are empty, never kept (their score stays −inf)."""
     starts = slots.valid & (slots.group % block_size == 0)  # first slot of each block
     block_id = torch.where(slots.valid, starts.long().cumsum(1) - 1, torch.zeros_like(slots.group))
-    return block_id, int(block_id.max().item()) + 1 if block_id.numel() else 1
+    return block_id, max(block_id.size(1), 1)
 
 
 def newest_block(visible: Tensor, block_id: Tensor) -> Tensor:

@@ -164,15 +164,16 @@ def indexer_kl_topk(entry_logits: Tensor, valid: Tensor, index_scores: Tensor) -
     target is a constant, heads' probabilities summed and renormalized); valid (B, T, K);
     index_scores (B, T, K) with autograd. The top-k form of `attention.indexer_kl`."""
     has_any = valid.any(-1)  # (B, T)
-    if not bool(has_any.any()):
-        return index_scores.new_zeros(())
     with torch.no_grad():
         logits = entry_logits.detach().double().masked_fill(~valid.unsqueeze(2), float("-inf"))
         target = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)  # (B, T, K)
         target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
     log_pred = torch.log_softmax(index_scores.double().masked_fill(~valid, float("-inf")), dim=-1)
     kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - log_pred), torch.zeros_like(target))
-    return kl.sum(-1)[has_any].mean().to(index_scores.dtype)
+    # the mean over queries with any entry, without a host sync or a data-dependent shape (torch.compile):
+    # a query without one has target 0 everywhere, so its row of kl is 0; none at all gives 0
+    n = has_any.sum().clamp_min(1)
+    return (kl.sum(-1).sum() / n).to(index_scores.dtype)
 
 
 class _SelectedScores(torch.autograd.Function):

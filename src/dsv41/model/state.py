@@ -153,11 +153,14 @@ class ForwardContext:
 
 
 def build_slots(doc_ids: Tensor, positions: Tensor, ratio: int) -> EntrySlots:
-    """Compact the complete groups of every row into slots, in token order."""
+    """Compact the complete groups of every row into slots, in token order. N = T // ratio slots per row,
+    a static bound (a complete group holds `ratio` tokens, so no row has more): slots past a row's count are
+    padding (valid False). Shapes depend only on (B, T), never on the data: no host sync, and a
+    torch.compile'd Block traces once per shape."""
     B, T = doc_ids.shape
     is_end = (positions + 1) % ratio == 0  # (B, T): last token of a complete group
     counts = is_end.sum(dim=1)
-    N = int(counts.max().item()) if T else 0
+    N = T // ratio
     # a stable sort of "not an end" brings the group ends to the front, in token order
     order = torch.sort((~is_end).to(torch.int8), dim=1, stable=True).indices[:, :N]  # (B, N)
     valid = torch.arange(N, device=doc_ids.device).unsqueeze(0) < counts.unsqueeze(1)

@@ -129,7 +129,7 @@ class Losses:
     indexer: Tensor  # mean KL of the index sources (0 when none ran)
     balance: Tensor  # mean sequence-level MoE balance loss over layers (unweighted)
     total: Tensor  # lm + indexer_loss_weight·indexer + balance_loss_weight·balance
-    n_tokens: int
+    n_tokens: Tensor  # () long: the target tokens counted (a tensor: reading it on the host syncs)
 
 
 class Transformer(nn.Module):
@@ -225,9 +225,9 @@ class Transformer(nn.Module):
         token_mask = loss_mask if token_mask is None else token_mask
         hidden = self.hidden(tokens, ctx, image_mask, token_mask=token_mask, image_embeds=image_embeds)
         logits = self.head_logits(hidden)
-        n = int(loss_mask.sum().item())
+        n = loss_mask.sum()  # a tensor: no host sync inside the forward (torch.compile, CUDA streams)
         ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-        lm = (ce * loss_mask.flatten()).sum() / max(n, 1)
+        lm = (ce * loss_mask.flatten()).sum() / n.clamp_min(1)
         zero = lm.new_zeros(())
         indexer = torch.stack(ctx.indexer_losses).mean() if ctx.indexer_losses else zero
         bal = [m.last_balance_loss for m in self.moe_layers() if m.last_balance_loss is not None]

@@ -297,15 +297,18 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def apply_block_options(model: Transformer, checkpoint: bool = False, compile: bool = False) -> None:
+def apply_block_options(model: Transformer, checkpoint: bool = False, compile: bool = False,
+                        compile_options: dict | None = None) -> None:
     """Activation checkpointing and `torch.compile` per Block, applied from outside (torchtitan's
     `parallelize` pattern): each Block's forward is wrapped, the model code is untouched.
+    compile_options: keyword arguments of `torch.compile` (tests pass fullgraph=True: a Block's training
+    forward, dense or sparse, traces without a graph break — no host sync, no data-dependent shape).
 
     Checkpointing recomputes a Block in the backward pass. The recompute must see the per-forward
     CSA2 state (`ForwardContext.shared`) as the first run did — later blocks have overwritten it by
     then — so the wrapper snapshots the record before the block and restores it for the recompute."""
     for block in model.layers:
-        forward = torch.compile(block.forward) if compile else block.forward
+        forward = torch.compile(block.forward, **(compile_options or {})) if compile else block.forward
         if checkpoint:
             forward = _checkpointed(forward)
         if compile or checkpoint:
@@ -564,7 +567,7 @@ class Trainer:
                 "total_loss": mean("total"), "grad_norm": mean("grad_norm"),
                 "tokens_per_s": len(window) * self.tc.tokens_per_step / max(seconds, 1e-9),
                 "moe_max_load": worst, "moe_mean_max_load": avg, "qat": last["qat"],
-                "target_tokens": sum(s["targets"] for s in window), "elapsed": self.elapsed}
+                "target_tokens": int(sum(s["targets"] for s in window)), "elapsed": self.elapsed}
 
     def _eval_record(self) -> None:
         loss, n = self.evaluate()
