@@ -17,7 +17,7 @@ from dsv41 import cli
 from dsv41.checkpoint import load_checkpoint
 from dsv41.config import ConfigError
 from dsv41.model.moe import moe_modules
-from dsv41.train.data import TokenizedCorpus
+from dsv41.train.data import PackedDataset, TokenizedCorpus
 from dsv41.train.trainer import (
     GOLDEN_FILE,
     TrainConfig,
@@ -119,6 +119,58 @@ def test_golden_tiny_loss_curve(tmp_path, cache_dir):
     rel = np.abs(got - want) / np.abs(want)
     assert rel.max() <= GOLDEN_RTOL, f"max rel err {rel.max():.2e} at step {rel.argmax() + 1}: {got} vs {want}"
     assert got[-5:].mean() < got[:5].mean() - 0.3, f"loss did not decrease: {got}"
+
+
+# ---------------------------------------------------------------------- sequence-length schedule
+def _batches_seen(tr: Trainer) -> list[torch.Tensor]:
+    """Wrap the trainer's batch source (re-created at a switch or a resume) so every micro-batch is kept."""
+    seen: list[torch.Tensor] = []
+    start = tr._start_batches
+
+    def spying_start():
+        start()
+        source = tr._batches
+        tr._batches = (seen.append(b["tokens"].clone()) or b for b in source)
+
+    tr._start_batches = spying_start
+    spying_start()
+    return seen
+
+
+def test_the_sequence_length_schedule_switches_to_long_rows_and_resumes_on_either_side(tmp_path, cache_dir):
+    """SPEC §7's schedule at toy scale: 3 steps of 4 × 32 rows, then (at long_from = 1/2 of 6 steps' tokens)
+    2 × 64 rows — the same tokens per step, the long packing's documents — logged once; a run saved before
+    the switch and one saved after it resume to exactly the uninterrupted run's batches and losses."""
+    kw = dict(seq_len=32, batch_size=4, long_seq_len=64, long_from=0.5, steps=6)
+    straight = Trainer(tiny(tmp_path / "a", cache_dir, **kw))
+    seen = _batches_seen(straight)
+    straight.run()
+    assert [tuple(b.shape) for b in seen] == [(4, 32)] * 3 + [(2, 64)] * 3
+    assert straight.tokens == 6 * 128
+    records = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    switches = [r for r in records if r["type"] == "seq_len"]
+    assert switches == [{"type": "seq_len", "step": 3, "tokens": 3 * 128, "seq_len": 64, "batch_size": 2}]
+    long_rows = PackedDataset(straight.train_corpus, 64, seed=straight.tc.seed).batches(2)
+    assert all(torch.equal(b, next(long_rows)["tokens"]) for b in seen[3:])  # from the long packing's start
+    for cut in (2, 4):  # saved before the switch, and after it
+        out = tmp_path / f"cut{cut}"
+        Trainer(tiny(out, cache_dir, max_steps=cut, save_every=0, **kw)).run()
+        resumed = Trainer(tiny(out, cache_dir, save_every=0, auto_resume=True, **kw))
+        assert resumed.step == cut
+        seen_after = _batches_seen(resumed)
+        resumed.run()
+        assert len(seen_after) == 6 - cut
+        assert all(torch.equal(a, b) for a, b in zip(seen_after, seen[cut:])), cut
+        assert train_losses(out) == train_losses(tmp_path / "a"), cut
+
+
+@pytest.mark.parametrize("bad, field", [(dict(long_seq_len=48), "long_seq_len"),  # does not divide 4 × 32
+                                        (dict(long_seq_len=32), "long_seq_len"),  # not longer
+                                        (dict(long_seq_len=64, long_from=0.0), "long_from"),
+                                        (dict(long_seq_len=-1), "long_seq_len")])
+def test_a_bad_sequence_length_schedule_is_a_clear_error(tmp_path, cache_dir, bad, field):
+    with pytest.raises(ConfigError, match=field):
+        tiny(tmp_path, cache_dir, seq_len=32, batch_size=4, steps=2, **bad)
 
 
 # ---------------------------------------------------------------------- MoE bias, QAT, replay

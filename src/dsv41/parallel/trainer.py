@@ -128,7 +128,7 @@ class ParallelTrainer(Trainer):
             raise ConfigError(f"train option 'resume': {folder} is not a distributed checkpoint")
         self.step, self.tokens, self.elapsed = int(state["step"]), int(state["tokens"]), float(state["elapsed"])
         self.dataset.load_state_dict(state["data"])
-        self._batches = self.dataset.batches(self.tc.batch_size)
+        self._start_batches()
         self.resumed_from = folder
         if self.rank == 0:
             self._truncate_metrics()

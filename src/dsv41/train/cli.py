@@ -18,6 +18,8 @@ EXAMPLES = """examples:
   dsv41 train --preset small --data data/corpus --out runs/small --total_tokens=2e9 --dtype=bf16
   dsv41 train --preset small --seq_len=65536 --batch_size=1 --checkpoint-activations --compile --dtype=bf16
   dsv41 train --preset tiny --attention=dense        # the dense masked spec (same math, O(T²) memory)
+  dsv41 train --preset small --seq_len=4096 --batch_size=16 --long_seq_len=65536 --long_from=0.75
+                                                     # rows of 4K, then of 64K from 3/4 of the run (SPEC §7)
   dsv41 train --out runs/small                       # resumes from runs/small/latest
   dsv41 train --resume runs/small/ckpt-001000 --out runs/small
   dsv41 train --plot runs/small                      # runs/small/curves.png from metrics.jsonl

@@ -14,6 +14,11 @@ RNG: the replay simulation seeds its own generator from (seed, step, micro-batch
 the data cursor, optimizer state and weights in the checkpoint (`state.py`), N steps + save +
 resume + N steps equal 2N steps bit for bit on CPU (tests/train/test_trainer.py).
 
+The sequence-length schedule (SPEC §7: rows of 64K tokens, 1M from 34T of 45T): with `long_seq_len`,
+the steps that start at or after `long_from` × total_tokens pack rows of `long_seq_len` tokens, as many
+fewer as keep the step's tokens (`TrainConfig.seq_len_at` / `batch_size_at`), from a packing of their own
+(`Trainer.dataset`: a checkpoint saves the cursor of the one in use); the switch is logged ("seq_len").
+
 Post-training switches:
 - `qat_from_tokens`: from the first step that starts at or after this many tokens, every module
   with a `qat` attribute (the attention layers: FP4 entries / index keys, FP8 window) fake-quantizes
@@ -25,7 +30,8 @@ Post-training switches:
   layers' windows: here every layer's window is truncated.
 
 Metrics go to out/metrics.jsonl, one JSON object per line with a "type": "start", "baseline"
-(bigram validation loss), "train" (every `log_every` steps) and "eval" (validation loss).
+(bigram validation loss), "train" (every `log_every` steps), "eval" (validation loss) and "seq_len" (the
+sequence-length schedule's switch).
 
 Regenerate the golden curve of the tests with `python -m dsv41.train.trainer --write-golden`.
 """
@@ -80,6 +86,10 @@ class TrainConfig:
     out: str = "runs/train"  # run folder: metrics.jsonl, ckpt-*/, latest
     seq_len: int = 512  # tokens per row
     batch_size: int = 8  # rows per micro-batch
+    # the report's sequence-length schedule (SPEC §7: 64K, raised to 1M at 34T of 45T): from long_from ×
+    # total_tokens on, rows of long_seq_len tokens, fewer of them (tokens per step unchanged); 0 = off
+    long_seq_len: int = 0
+    long_from: float = 34 / 45
     grad_accum: int = 1  # micro-batches per optimizer step
     total_tokens: int = 0  # run length and schedule horizon in tokens (rows × seq_len, padding included)
     steps: int = 0  # > 0: run length in steps instead (total_tokens = steps × tokens per step)
@@ -135,10 +145,30 @@ class TrainConfig:
             bad("lr", "learning rates must be >= 0")
         if self.attention not in ("dense", "sparse"):
             bad("attention", f"must be 'dense' or 'sparse', got {self.attention!r}")
+        if self.long_seq_len < 0:
+            bad("long_seq_len", f"must be >= 0 (0 = one sequence length), got {self.long_seq_len}")
+        if self.long_seq_len:
+            if not 0 < self.long_from <= 1:
+                bad("long_from", f"must lie in (0, 1] (a fraction of total_tokens), got {self.long_from}")
+            rows = self.batch_size * self.seq_len
+            if self.long_seq_len <= self.seq_len or rows % self.long_seq_len:
+                bad("long_seq_len", f"must be longer than seq_len = {self.seq_len} and divide a micro-batch's "
+                                    f"{self.batch_size} x {self.seq_len} = {rows} tokens (the step keeps its "
+                                    f"tokens), got {self.long_seq_len}")
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.grad_accum * self.seq_len
+
+    def seq_len_at(self, tokens: int) -> int:
+        """Row length of the step that starts after `tokens` tokens (the sequence-length schedule)."""
+        if self.long_seq_len and tokens >= self.long_from * self.run_tokens:
+            return self.long_seq_len
+        return self.seq_len
+
+    def batch_size_at(self, tokens: int) -> int:
+        """Rows per micro-batch of that step: the micro-batch's tokens stay batch_size × seq_len."""
+        return self.batch_size * self.seq_len // self.seq_len_at(tokens)
 
     @property
     def run_tokens(self) -> int:
@@ -363,7 +393,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(tc.tokenizer)
         cache = Path(tc.cache_dir) if tc.cache_dir else Path.home() / ".cache" / "dsv41" / "tokens"
         self.train_corpus = load_corpus(tc.data, self.tokenizer, cache, split="train")
-        self.dataset = PackedDataset(self.train_corpus, tc.seq_len, seed=tc.seed)
+        self._datasets: dict[int, PackedDataset] = {}  # row length → its packing (`dataset`)
         val_corpus = load_corpus(tc.data, self.tokenizer, cache, split="val")
         self.val_set = list(islice(val_batches(val_corpus, tc.seq_len, tc.batch_size), tc.eval_batches)) \
             if len(val_corpus) else []
@@ -399,8 +429,31 @@ class Trainer:
             resume = ckpt.resolve_checkpoint(self.out)
         if resume is not None:
             self.load(resume)
-        self._batches = self.dataset.batches(tc.batch_size)
+        self._start_batches()
         (self.out / "train_config.json").write_text(json.dumps(asdict(tc), indent=1) + "\n")
+
+    # ------------------------------------------------------------------ data
+    @property
+    def dataset(self) -> PackedDataset:
+        """The packing of the row length the next step uses (`TrainConfig.seq_len_at`): checkpoints save and
+        restore its cursor; after the switch to long rows the short packing is never read again."""
+        n = self.tc.seq_len_at(self.tokens)
+        if n not in self._datasets:
+            self._datasets[n] = PackedDataset(self.train_corpus, n, seed=self.tc.seed)
+        return self._datasets[n]
+
+    def _start_batches(self) -> None:
+        """Batches of the next step's row length from the dataset's cursor."""
+        self._batches_len = self.tc.seq_len_at(self.tokens)
+        self._batches = self.dataset.batches(self.tc.batch_size_at(self.tokens))
+
+    def _follow_seq_len_schedule(self) -> None:
+        """Before a step: where the sequence-length schedule switches, continue with the long rows."""
+        n = self.tc.seq_len_at(self.tokens)
+        if n != self._batches_len:
+            self._start_batches()
+            self.log({"type": "seq_len", "step": self.step, "tokens": self.tokens, "seq_len": n,
+                      "batch_size": self.tc.batch_size_at(self.tokens)})
 
     # ------------------------------------------------------------------ one optimizer step
     def set_qat(self, on: bool) -> None:
@@ -490,8 +543,8 @@ class Trainer:
             raise FileNotFoundError(2, "no training checkpoint", str(path))
         state = ckpt.load_training_state(folder, model=self.model, optimizer=self.optimizer)
         self.step, self.tokens, self.elapsed = int(state["step"]), int(state["tokens"]), float(state["elapsed"])
-        self.dataset.load_state_dict(state["data"])
-        self._batches = self.dataset.batches(self.tc.batch_size)
+        self.dataset.load_state_dict(state["data"])  # the packing of the row length at the checkpoint's tokens
+        self._start_batches()
         self.resumed_from = folder
         self._truncate_metrics()
 
@@ -527,6 +580,7 @@ class Trainer:
         window: list[dict[str, Any]] = []
         window_time, saved_at, evaluated_at = 0.0, -1, -1
         while self.step < end:
+            self._follow_seq_len_schedule()
             t0 = time.perf_counter()
             stats = self.train_step()
             window.append(stats)
