@@ -62,3 +62,30 @@ def test_every_block_compiles_whole_and_matches_eager(attention):
     assert total < 1e-2, total
     assert (diff <= 5e-2 * norm + 1e-4 * norm.max()).all(), (diff / norm).max()
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_block_compiles_whole_on_cuda_with_the_fused_sparse_kernel():
+    """On CUDA the sparse path runs the fused Triton training attention (an autograd.Function): every Block
+    still traces whole (fullgraph=True, Inductor) and matches the eager step."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(7)
+    B, T = 2, 256
+    tokens = torch.randint(3, 1000, (B, T), generator=g).cuda()
+    doc_ids = torch.zeros(B, T, dtype=torch.long, device="cuda")
+    doc_ids[0, 100:] = 1
+    eager = _model().cuda()
+    compiled = _model().cuda()
+    compiled.load_state_dict(eager.state_dict())
+    apply_block_options(compiled, compile=True, compile_options={"fullgraph": True})
+    want, want_g = _step(eager, tokens, doc_ids, "sparse")
+    got, got_g = _step(compiled, tokens, doc_ids, "sparse")
+    for name in ("lm", "indexer", "balance", "total"):
+        assert_close(getattr(got, name).float(), getattr(want, name).float(), rtol=2e-2, atol=2e-3, what=name)
+    diff = torch.stack([(got_g[n] - want_g[n]).norm() for n in want_g])
+    norm = torch.stack([want_g[n].norm() for n in want_g])
+    total = (diff.norm() / norm.norm()).item()
+    print(f"cuda sparse: gradients, relative error of the whole {total:.2e}")
+    assert total < 2e-2, total  # bf16 with Inductor's fused kernels: not yet measured, a first bound
+    torch._dynamo.reset()
