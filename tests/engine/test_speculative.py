@@ -456,6 +456,9 @@ def test_the_cost_model_drafts_only_where_measured_speculative_steps_beat_plain_
     assert model.median("spec", 8) == 0.001 and model.worth_drafting(8)
     summary = model.summary()
     assert summary["spec @ batch 8"] == {"s_per_row": 0.001, "steps": 8} and summary["plain @ batch 8"]["steps"] == 35
+    # every recorded step, the uncounted capture steps included, in order (the benchmark's timeline)
+    assert len(model.timeline) == 8 + 35 and model.timeline[0] == ("spec", 8, 8, 50.0, 8)
+    assert model.timeline[-1] == ("spec", 8, 8, 8 * 0.001, 8 * 2.1)
     with pytest.raises(ValueError, match="kind"):
         model.record("other", 8, 8, 1.0, 8)
     model.reset()

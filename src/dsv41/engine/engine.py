@@ -521,13 +521,11 @@ class Engine:
         keep = [len(tokens) if reason is None else 0 for tokens, reason in plans]
         self._observe(seqs, block, features, keep)
         outputs: list[StepOutput] = []
-        no_logprobs = [(None, None)]
         for b, (seq, v, (tokens, reason)) in enumerate(zip(seqs, verdicts, plans)):
             stats.record(lengths[b], v.accepted, len(tokens))
             if reason is None:  # a finishing row's count is cut by its end, not by its drafts
                 seq.spec_tokens = self.cost_model.row_average(seq.spec_tokens, len(tokens))
-            logprobs = (no_logprobs * len(tokens) if seq.params.logprobs is None  # no per-row slice when unasked
-                        else self._logprobs([seq] * len(tokens), logits[b, :len(tokens)], tokens))
+            logprobs = self._logprobs([seq] * len(tokens), logits[b, :len(tokens)], tokens)
             for j, (token, (lp, top)) in enumerate(zip(tokens, logprobs)):
                 last = j == len(tokens) - 1
                 if last and reason == "stop":
