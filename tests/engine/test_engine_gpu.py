@@ -19,10 +19,10 @@ def run(engine: Engine, prompts: list[list[int]], n_out: list[int], monkeypatch)
     seen: dict[int, list[torch.Tensor]] = defaultdict(list)
     emit = Engine._emit
 
-    def spy(self, seqs, logits):
+    def spy(self, seqs, logits, *sampled):
         for seq, row in zip(seqs, logits):
             seen[seq.id].append(row.float().cpu())
-        return emit(self, seqs, logits)
+        return emit(self, seqs, logits, *sampled)
 
     monkeypatch.setattr(Engine, "_emit", spy)
     seqs = [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, n_out)]
@@ -75,3 +75,64 @@ def test_the_static_decode_step_never_syncs_with_the_host():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def _streams_and_prompt(engine: Engine, V: int, prompt_len: int) -> tuple[list, object]:
+    """Three streams decoding, then a long prompt that arrives while they do (prefilled in layer pieces)."""
+    streams = [engine.add_request(torch.randint(3, V, (n,)).tolist(), SamplingParams(max_tokens=400))
+               for n in (30, 200, 470)]
+    while any(s.prefilling or s.next_token is None for s in streams):
+        engine.step()
+    return streams, engine.add_request(torch.randint(3, V, (prompt_len,)).tolist(), SamplingParams(max_tokens=3))
+
+
+def test_a_prefill_piece_beside_decoding_streams_never_syncs_with_the_device():
+    """The overlap of `Engine.step` needs the host-driven prefill path to build its tensors without a stream
+    sync (`block_manager.to_device`): every piece of a second prompt (the first one compiled the kernels)
+    runs under CUDA's sync check."""
+    from dsv41.engine.prefill import PrefillJob
+
+    torch.manual_seed(52)
+    model = engine_test_model(52).to("cuda", torch.bfloat16)
+    V = model.config.vocab_size
+    engine = Engine(model, max_batch=8, max_seq_len=2048, prefill_chunk=256, prefill_layers=1)
+    _, warm = _streams_and_prompt(engine, V, 900)
+    while not warm.finished:
+        engine.step()
+    step, checked = PrefillJob.step, []
+
+    def checked_step(job, n=None, layers=None):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(job, n, layers)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(layers)
+
+    prompt = engine.add_request(torch.randint(3, V, (900,)).tolist(), SamplingParams(max_tokens=3))
+    PrefillJob.step = checked_step
+    try:
+        while not prompt.output:
+            engine.step()
+    finally:
+        PrefillJob.step = step
+    assert len(checked) > 8, checked  # 4 chunks × the layers, one layer a step
+
+
+def test_the_overlapped_step_emits_the_tokens_of_a_step_that_waits(monkeypatch):
+    """Greedy tokens of streams and prompts are the same whether a step reads its sampled tokens after the
+    prefill pieces (pinned copy + event) or right away."""
+    outs = []
+    for overlap in (True, False):
+        torch.manual_seed(53)
+        model = engine_test_model(53).to("cuda", torch.float32)
+        V = model.config.vocab_size
+        engine = Engine(model, max_batch=8, max_seq_len=2048, prefill_chunk=128, prefill_layers=2)
+        if not overlap:
+            monkeypatch.setattr(engine, "_launch_sample", lambda seqs, logits: (lambda: None))
+        streams, prompt = _streams_and_prompt(engine, V, 700)
+        second = engine.add_request(torch.randint(3, V, (500,)).tolist(), SamplingParams(max_tokens=3))
+        while not (prompt.finished and second.finished):
+            engine.step()
+        outs.append([s.output[:] for s in streams] + [prompt.output, second.output])
+    assert outs[0] == outs[1]

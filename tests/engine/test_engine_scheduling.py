@@ -41,10 +41,10 @@ def spy_logits(monkeypatch) -> dict[int, list[torch.Tensor]]:
     seen: dict[int, list[torch.Tensor]] = defaultdict(list)
     emit = Engine._emit
 
-    def spy(self, seqs, logits):
+    def spy(self, seqs, logits, *sampled):
         for seq, row in zip(seqs, logits):
             seen[seq.id].append(row.detach().clone())
-        return emit(self, seqs, logits)
+        return emit(self, seqs, logits, *sampled)
 
     monkeypatch.setattr(Engine, "_emit", spy)
     return seen

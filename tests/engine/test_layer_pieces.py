@@ -182,10 +182,10 @@ def drive(engine: Engine, prompts: list[list[int]], outputs: list[int], arrive_e
     emit, schedule = engine._emit, engine.scheduler.schedule
     batches = []
 
-    def spy_emit(seqs, logits):
+    def spy_emit(seqs, logits, *sampled):
         for seq, row in zip(seqs, logits):
             seen[seq.id].append(row.detach().clone())
-        return emit(seqs, logits)
+        return emit(seqs, logits, *sampled)
 
     engine._emit = spy_emit
     engine.scheduler.schedule = lambda: (batches.append(schedule()), batches[-1])[1]

@@ -86,9 +86,9 @@ def _first_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     captured = {}
     original = engine._emit
 
-    def capture(reqs, logits):
+    def capture(reqs, logits, *sampled):
         captured.setdefault("logits", logits[0].clone())
-        return original(reqs, logits)
+        return original(reqs, logits, *sampled)
 
     engine._emit = capture
     engine.generate([prompt], max_tokens=1)

@@ -136,9 +136,9 @@ def _first_logits(engine: Engine, prompt: list[int]) -> tuple[torch.Tensor, obje
     seen = {}
     emit = engine._emit
 
-    def capture(seqs, logits):
+    def capture(seqs, logits, *sampled):
         seen.setdefault("row", logits[0].clone())
-        return emit(seqs, logits)
+        return emit(seqs, logits, *sampled)
 
     engine._emit = capture
     req = engine.add_request(prompt, SamplingParams(max_tokens=1))
@@ -166,11 +166,11 @@ def test_a_global_only_hit_replays_exactly_n_win_through_the_encoder_and_rewrite
         resumed.update({s: (st.kv.read().clone(), st.index_k.read().clone()) for s, st in stores})
         resumed["b"] = seq.cache.n_tokens
 
-    def spy_emit(seqs, logits):  # when the prefill has finished (before the request frees its pages)
+    def spy_emit(seqs, logits, *sampled):  # when the prefill has finished (before the request frees its pages)
         for s, st in seqs[0].cache.entry_stores.items():
             prefilled[s] = (st.kv.read().clone(), st.index_k.read().clone(), st.n_entries)
         prefilled["n"] = seqs[0].cache.n_tokens
-        return emit(seqs, logits)
+        return emit(seqs, logits, *sampled)
 
     engine.admit, engine._emit = spy_admit, spy_emit
     with recorded_calls() as calls:

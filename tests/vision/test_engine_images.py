@@ -82,9 +82,9 @@ def engine_logits(engine: Engine, prompt: list[int], images, n: int = 1, **kw) -
     seen: list[torch.Tensor] = []
     emit = engine._emit
 
-    def capture(seqs, logits):
+    def capture(seqs, logits, *sampled):
         seen.append(logits[0].clone())
-        return emit(seqs, logits)
+        return emit(seqs, logits, *sampled)
 
     engine._emit = capture
     req = engine.add_request(prompt, SamplingParams(max_tokens=n), images=images, **kw)

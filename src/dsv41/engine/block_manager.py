@@ -35,6 +35,18 @@ from dsv41.plan import FULL, layer_plan
 PAGE_ROWS = 256  # entries per page of the paged global-KV pools
 
 
+def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
+    """A host list (or nested lists) as a device tensor without a stream sync: on CUDA a pinned host tensor
+    copied non-blocking (the caching host allocator keeps its block until the copy is done), so the host
+    never waits for the GPU work queued before it — `torch.tensor(data, device=cuda)` synchronizes the stream.
+    The host-driven steps (prefill pieces) use it, so a piece's host work overlaps the decode step queued
+    before it on the device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 class OutOfPages(RuntimeError):
     """The fixed pools have no free page or slot left (the scheduler preempts or waits)."""
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from dsv41.config import ModelConfig
-from dsv41.engine.block_manager import PAGE_ROWS, BlockManager, OutOfPages, SourcePool, pages_for
+from dsv41.engine.block_manager import PAGE_ROWS, BlockManager, OutOfPages, SourcePool, pages_for, to_device
 from dsv41.kernels.ref.cache_write import dequantize_rows, quantize_rows
 
 __all__ = ["PAGE_ROWS", "BlockManager", "OutOfPages", "SequenceCache", "private_pools"]
@@ -83,7 +83,7 @@ class PagedRows:
 
     def row_ids(self, index: Tensor) -> Tensor:
         """Pool row ids of logical rows `index` (any shape, all valid)."""
-        table = torch.tensor(self.page_ids, dtype=torch.long, device=index.device)
+        table = to_device(self.page_ids, index.device)
         return table[index // self.page_rows] * self.page_rows + index % self.page_rows
 
     def append(self, rows: Tensor) -> None:

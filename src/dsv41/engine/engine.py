@@ -9,7 +9,11 @@ The engine speaks token ids (tokenization happens at the edges). `generate` is t
      sequences still prefilling and of newly admitted ones, within the step's token budget and, while
      streams decode, its layer budget (`prefill_layers`: the eager prefill work a step may carry;
      `engine/prefill.py: PrefillJob`);
-  3. sampling, stop checks, and the end of finished requests (prefix cache save, pages freed).
+  3. sampling, stop checks, and the end of finished requests (prefix cache save, pages freed). When a
+     step carries prefill pieces, the decode batch's tokens are sampled on the device and copied to the
+     host without a wait, the pieces are launched (their host work runs while the device still decodes:
+     the host-driven path builds its tensors without a stream sync, `block_manager.to_device`), and the
+     tokens are read after them.
 Every pool is allocated once (`BlockManager`); running out of pages preempts the newest sequence
 to host memory (bit-exact swap) instead of reserving worst-case memory up front.
 With a `drafter` (speculative decoding, `engine/speculative.py`, docs/speculative.md) step 1 becomes:
@@ -26,6 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +147,8 @@ class Engine:
             # each row's pending token, the proposal's anchor: a pinned host mirror and its device twin
             self._anchors = torch.zeros(max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
             self._anchors_dev = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+        # the decode batch's sampled tokens, copied here without a wait while prefill pieces launch (`step`)
+        self._sampled_host = torch.zeros(max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.io = DecodeIO(c, self.pools, max_batch, capture_layers=wanted,
                            capture_at=getattr(drafter, "features_at", "output"), feature_ring=self.feature_ring)
         self.graphs = DecodeGraphs(self.runner, self.io, min_entries=graph_min_entries) if use_graphs else None
@@ -218,17 +225,60 @@ class Engine:
         self.stats.steps += 1
         self.stats.preemptions += len(batch.preempted)
         outputs: list[StepOutput] = []
+        pending = None  # the decode batch's sampled tokens on their way to the host, while the pieces launch
         if batch.decode:
             t0 = time.perf_counter()
             if self.drafter is not None:
                 outputs.extend(self._speculate(batch.decode))
             else:
                 logits = self._decode(batch.decode)
-                outputs.extend(self._emit(batch.decode, logits))
-            dt = time.perf_counter() - t0
-            for seq in batch.decode:
-                seq.decode_s += dt / len(batch.decode)
-        for seq, piece in batch.prefill:
+                if batch.prefill:
+                    # overlap: the pieces' host work (their kernel launches) runs while the device still
+                    # decodes; the tokens are read after the pieces are queued (`_launch_sample`)
+                    pending = (logits, self._launch_sample(batch.decode, logits))
+                else:
+                    outputs.extend(self._emit(batch.decode, logits))
+            self._add_decode_time(batch.decode, time.perf_counter() - t0)
+        prefill_outputs: list[StepOutput] = []
+        self._run_pieces(batch.prefill, prefill_outputs)
+        if pending is not None:
+            t0 = time.perf_counter()
+            logits, tokens = pending
+            outputs.extend(self._emit(batch.decode, logits, tokens()))
+            self._add_decode_time(batch.decode, time.perf_counter() - t0)
+        outputs.extend(prefill_outputs)
+        return outputs
+
+    @staticmethod
+    def _add_decode_time(seqs: list[Sequence], seconds: float) -> None:
+        for seq in seqs:
+            seq.decode_s += seconds / len(seqs)
+
+    def _launch_sample(self, seqs: list[Sequence], logits: Tensor) -> Callable[[], list[int | None]]:
+        """Sample the batch's tokens on the device and start their copy to a pinned host buffer, without
+        waiting: returns the function that waits for that copy alone (an event) and gives the token ids.
+        Work queued after it on the stream (the prefill pieces) is not waited for. A row whose sampling
+        fails is found as `_emit` finds it, synchronously."""
+        try:
+            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        except Exception:  # noqa: BLE001 - `_emit` sorts out the failing row(s)
+            return lambda: None
+        if self.device.type != "cuda":
+            return tokens.tolist
+        host = self._sampled_host[:len(seqs)]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> list[int | None]:
+            done.synchronize()
+            return host.tolist()
+        return wait
+
+    def _run_pieces(self, pieces: list, outputs: list[StepOutput]) -> None:
+        """The scheduled prefill pieces, each through its job; their outputs (a finished prompt's first token,
+        a failure) into `outputs`."""
+        for seq, piece in pieces:
             if seq.job is None:  # an earlier piece of this step failed
                 continue
             t0 = time.perf_counter()
@@ -255,7 +305,6 @@ class Engine:
                     self.drafter.observe(seq.id, torch.tensor(seq.cache.tokens, device=self.device), features)
                     self._drafter_seen[seq.id] = seq.cache.n_tokens
                 outputs.extend(self._emit([seq], logits.unsqueeze(0)))
-        return outputs
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is (client gone): nothing is persisted, its cache is freed."""
@@ -594,12 +643,16 @@ class Engine:
         return tokens, None
 
     # ------------------------------------------------------------------ sampling and finishing
-    def _emit(self, seqs: list[Sequence], logits: Tensor) -> list[StepOutput]:
+    def _emit(self, seqs: list[Sequence], logits: Tensor, sampled: list[int | None] | None = None
+              ) -> list[StepOutput]:
         """Sample one token per sequence from logits (B, vocab) — one call, each row with its own
-        parameters and generator — and record it. A row whose sampling fails fails alone."""
+        parameters and generator — and record it. A row whose sampling fails fails alone. sampled: the
+        tokens `_launch_sample` drew already (None: sample here)."""
         tokens: list[int | None]
         try:
-            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+            if sampled is None:
+                sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+            tokens = sampled
         except Exception:  # noqa: BLE001 - find the row(s) at fault, keep the others
             tokens = []
             for i, seq in enumerate(seqs):

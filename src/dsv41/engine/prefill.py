@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dsv41.engine.block_manager import to_device
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.runner import Capture, Carry, Runner
 from dsv41.plan import FULL
@@ -254,7 +255,7 @@ class PrefillJob:
             continue_windows = self.continue_windows and run.lo == self.start0
             runner.forward([seq], ids, [run.lo], piece, self.tail_h[:, -n_replay:] if first else None,
                            self.tail_pre[:, -n_replay:] if first else None,
-                           replay_start=None if continue_windows else torch.tensor([run.lo], device=seq.device),
+                           replay_start=None if continue_windows else to_device([run.lo], seq.device),
                            compress=False, image_mask=run.mask, capture=capture, carry=run.carry)
         else:
             runner.forward([seq], ids, [run.lo], piece, replay_start=self.replay_start,
@@ -288,7 +289,7 @@ class PrefillJob:
                     mask, embeds)
 
     def _device_ids(self, ids: list[int]) -> Tensor:
-        return torch.tensor([ids], device=self.seq.device)  # (1, T)
+        return to_device([ids], self.seq.device)  # (1, T)
 
     def _finish(self, run: _Run) -> Tensor | None:
         """A run went through all its layers: publish what the next runs read; logits after the last."""

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dsv41.engine.block_manager import BlockManager
+from dsv41.engine.block_manager import BlockManager, to_device
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.rollback import RollbackState
 from dsv41.kernels import ops
@@ -142,8 +142,8 @@ class Runner:
                              "with the same `pools`, as Engine does)")
         device = pools.device
         start = [int(v) for v in (start.tolist() if isinstance(start, Tensor) else start)]
-        positions = torch.tensor(start, device=device).unsqueeze(1) + torch.arange(T, device=device)  # (B, T)
-        slots = torch.tensor([s.slot for s in seqs], device=device)
+        positions = to_device(start, device).unsqueeze(1) + torch.arange(T, device=device)  # (B, T)
+        slots = to_device([s.slot for s in seqs], device)
         hist = None
         if history and self.model.hasher is not None:
             k = self.config.engram_max_ngram_size - 1
@@ -151,7 +151,7 @@ class Runner:
             for s, st in zip(seqs, start):
                 prev = engram_history(s.tokens[max(0, st - k):st], self.config)
                 rows.append([-1] * (k - len(prev)) + prev)
-            hist = torch.tensor(rows, dtype=torch.long, device=device)  # (B, k)
+            hist = to_device(rows, device)  # (B, k)
         W = self.config.window_size
         return StepRecord(pools, positions, slots, slots.unsqueeze(1) * W + positions % W, hist,
                           replay_start=replay_start, compress=compress, seqs=seqs, start=start)
@@ -302,7 +302,7 @@ class Runner:
             pools.sync_tables()
             counts = [s.entry_stores[source].n_entries for s in record.seqs]
             record.sources[source] = (pools.sources[source].table.index_select(0, record.slots),
-                                      torch.tensor(counts, device=pools.device), max(counts))
+                                      to_device(counts, pools.device), max(counts))
         return record.sources[source]
 
     def _compress_host(self, layer_id: int, x: Tensor, record: StepRecord) -> None:
