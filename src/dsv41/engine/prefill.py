@@ -157,7 +157,7 @@ class PrefillJob:
         self.n_total = self.start0 + len(tokens)
         self.first = self.start0 - encoder_replay  # first position run (replayed tokens come first)
         self.cursor = self.first  # first position no run has started on yet
-        self.replay_start = torch.tensor([self.first], device=seq.device) if encoder_replay else None
+        self.replay_start = to_device([self.first], seq.device) if encoder_replay else None
         self.continue_windows = decoder_windows_valid
         self.layers = range(c.n_layers) if self.exact else range(c.encoder_layers)
         self.done = False
