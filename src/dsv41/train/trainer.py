@@ -336,7 +336,16 @@ def apply_block_options(model: Transformer, checkpoint: bool = False, compile: b
 
     Checkpointing recomputes a Block in the backward pass. The recompute must see the per-forward
     CSA2 state (`ForwardContext.shared`) as the first run did — later blocks have overwritten it by
-    then — so the wrapper snapshots the record before the block and restores it for the recompute."""
+    then — so the wrapper snapshots the record before the block and restores it for the recompute.
+
+    Every Block shares one code object (`Block.forward`), and Dynamo keeps one cache for it: each block kind
+    (CSA2 mode, ratio, candidate source, first / last block) is a graph of its own: `tiny`'s 8 blocks are 8
+    kinds, `small`'s 12 are 11. Past `torch._dynamo.config.recompile_limit` (8 by default) later blocks would
+    silently run eager, so compiling raises that limit to two graphs per block (a second shape each: the
+    long-row switch of the sequence-length schedule) if it is lower."""
+    if compile:
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 2 * len(model.layers) + 8)
     for block in model.layers:
         forward = torch.compile(block.forward, **(compile_options or {})) if compile else block.forward
         if checkpoint:
