@@ -332,6 +332,8 @@ class Attention(nn.Module):
             if ctx.training_losses:
                 # the KL's entry set (config `indexer_kl_set`): this layer's top-k, or all it may select
                 kl_set = allowed if self.kl_set == "allowed" else topk_mask(shared.topk, allowed.size(-1)) & allowed
+                if ctx.query_mask is not None:  # padding queries: no KL (their rows of the target are 0)
+                    kl_set = kl_set & ctx.query_mask.unsqueeze(-1)
                 n_queries = ctx.count_queries(kl_set.any(-1))
                 ctx.indexer_losses.append(indexer_kl(q.detach(), kv.detach(), kl_set, scores, self.scale, n_queries))
         selected = topk_mask(shared.topk, slots.token.size(1)) & visible

@@ -303,9 +303,11 @@ def _compressed(attn: Attention, x: Tensor, qr: Tensor, ctx: ForwardContext
             raise ValueError("the sparse attention path computes the indexer KL over the top-k set only "
                              "(indexer_kl_set='topk'); use attention='dense' for 'allowed'")
         selected = selected_index_scores(iq, weights, shared.index_k, shared.topk)
+        # padding queries get no KL (the attention itself still reads `valid` unmasked)
+        kl_valid = valid if ctx.query_mask is None else valid & ctx.query_mask.unsqueeze(-1)
 
         def kl(entry_logits: Tensor) -> Tensor:
-            return indexer_kl_topk(entry_logits, valid, selected)
+            return indexer_kl_topk(entry_logits, kl_valid, selected)
 
     if ctx.trace is not None:
         ctx.trace.append(dict(layer=attn.layer_id, mode=mode, kv_source=shared.kv_source, kv=shared.kv,

@@ -68,6 +68,7 @@ class ForwardContext:
     positions: Tensor  # (B, T) long; position inside the document (RoPE, compression groups)
     window_start: Tensor | None = None  # (B, T) long; bounded replay: keys before this token are hidden
     training_losses: bool = False  # compute the indexer KL loss
+    query_mask: Tensor | None = None  # (B, T) bool: queries the indexer KL averages over (None: every query)
     attention: str = "dense"  # "dense": masked (B, T, T + N) spec; "sparse": window band ∪ gathered top-k
     score_chunk: int = 512  # sparse path: queries per chunk of index scores (memory O(chunk·N))
     shared: SharedAttention = field(default_factory=SharedAttention)

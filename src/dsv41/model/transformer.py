@@ -215,11 +215,13 @@ class Transformer(nn.Module):
                token_mask: Tensor | None = None, attention: str = "dense") -> Losses:
         """All layers on all tokens (ordinary causal LM). `loss_mask` (B, T) picks the target
         positions; `token_mask` (default: loss_mask) the tokens the MoE statistics count — pass the
-        non-padding positions when some real tokens are no targets (image positions). `window_start`
+        non-padding positions when some real tokens are no targets (image positions); an explicit
+        `token_mask` also limits the indexer KL to those queries (padding must not train it). `window_start`
         simulates bounded replay (keys before it are hidden from the window). `attention`: "dense" or
         "sparse"."""
+        # an explicit token_mask marks the real tokens: padding queries get no indexer KL either
         ctx = ForwardContext.build(tokens, doc_ids, training_losses=True, window_start=window_start,
-                                   attention=attention)
+                                   attention=attention, query_mask=token_mask)
         if loss_mask is None:
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
         token_mask = loss_mask if token_mask is None else token_mask
