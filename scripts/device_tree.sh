@@ -5,6 +5,7 @@
 #
 #   bash scripts/device_tree.sh park drafter   # a call that needs the model only (most of them)
 #   bash scripts/device_tree.sh park model     # a call whose command copies the drafter to /tmp on the box
+#   bash scripts/device_tree.sh park vl        # models/dsv41-tiny-vl too (4 MiB: room for carried wheels)
 #   bash scripts/device_tree.sh unpark         # everything back (idempotent)
 #   bash scripts/device_tree.sh size           # MiB that would travel now
 #
@@ -21,15 +22,18 @@ case ${1:-size} in
     case ${2:-} in
       drafter) [ -d "$MODEL/dspark" ] && mv "$MODEL/dspark" "$PARK/dspark" ;;
       model) for f in "$MODEL"/model-*.safetensors; do [ -e "$f" ] && mv "$f" "$PARK/"; done ;;
-      *) echo "device_tree: park drafter|model" >&2; exit 2 ;;
+      vl) [ -d models/dsv41-tiny-vl ] && mv models/dsv41-tiny-vl "$PARK/dsv41-tiny-vl" ;;
+      *) echo "device_tree: park drafter|model|vl" >&2; exit 2 ;;
     esac ;;
   unpark)
     [ -d "$PARK/dspark" ] && { [ -e "$MODEL/dspark" ] && { echo "device_tree: $MODEL/dspark exists" >&2; exit 2; }
                               mv "$PARK/dspark" "$MODEL/dspark"; }
     for f in "$PARK"/model-*.safetensors; do [ -e "$f" ] && mv "$f" "$MODEL/"; done
-    git status --short -- "$MODEL" | grep . && { echo "device_tree: $MODEL differs from git" >&2; exit 1; } ;;
+    [ -d "$PARK/dsv41-tiny-vl" ] && { [ -e models/dsv41-tiny-vl ] && { echo "device_tree: models/dsv41-tiny-vl exists" >&2; exit 2; }
+                                      mv "$PARK/dsv41-tiny-vl" models/dsv41-tiny-vl; }
+    git status --short -- models | grep . && { echo "device_tree: models/ differs from git" >&2; exit 1; } ;;
   size) ;;
-  *) echo "device_tree: park drafter|model, unpark or size" >&2; exit 2 ;;
+  *) echo "device_tree: park drafter|model|vl, unpark or size" >&2; exit 2 ;;
 esac
 { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 du -cb 2>/dev/null | tail -1 \
   | awk '{printf "device_tree: %.1f MiB would travel (limit 64)\n", $1 / 1048576}'

@@ -1,63 +1,62 @@
 #!/usr/bin/env bash
-# One H200 session for issues 19 and 21: post-training (SFT -> RL -> effort tiers; teacher -> OPD) and the
-# DSpark drafter's training run side by side (three processes share the GPU: small models, host-bound),
-# plus the synchronous-dispatch RL baseline, then the timed benchmarks alone. The work runs detached (setsid), so it outlives one 10-minute device
-# call; every call (`start` once, then `watch`) prints progress and packs what exists into $OUT.
+# One H200 session for issue 21: the stages of
+# scripts/posttrain_small.sh, detached (setsid) so the work outlives one 10-minute device call; every call
+# (`start` once, then `watch`) prints progress and packs what exists into $OUT.
 #
-#   bash scripts/gpu_posttrain_dspark.sh start   # launch (idempotent), then watch
-#   bash scripts/gpu_posttrain_dspark.sh watch   # follow the logs for up to WATCH_S seconds (default 560)
+#   bash scripts/gpu_posttrain.sh start   # launch (idempotent), then watch
+#   bash scripts/gpu_posttrain.sh watch   # follow the logs for up to WATCH_S seconds (default 560)
 #
+# Order: the student's SFT and the teacher's SFT side by side (training only; their times are not measured),
+# then one at a time, alone on the GPU, so their times are measurements: RL (sample dispatch), the server's
+# effort tiers on it, the synchronous RL baseline (batch dispatch, same steps), OPD, the plots,
+# benchmarks/rollouts.py. Step counts and batches: scripts/posttrain_small.sh. (The 2026-12-02 run put four
+# processes on the GPU at once: a host-bound decode step then waits for the others' kernels, and rollouts ran
+# ~40x slower than the engine's measured step.)
+# The detached work lives only while the machine is held: a `watch` call must follow the last call within the
+# device's idle window (30 s), or the machine goes back and the run is lost (2026-12-04: it was, after 9 min).
+# The server (effort tiers) needs fastapi, uvicorn and pydantic, which the box lacks: download their cp312
+# wheels into .whl (the device README's pip download line; fastapi starlette uvicorn pydantic pydantic_core
+# annotated-types typing-inspection typing_extensions, ~3 MiB), park the drafter and models/dsv41-tiny-vl
+# (scripts/device_tree.sh park drafter; park vl), carry .whl, install them to /tmp/site and pass
+# EXTRA_SITE=/tmp/site.
 # runs/ctl.env, when present, is sourced before each later stage (change step counts of a running session).
-# DSPARK_BUDGET_S=0 skips the drafter's training and the speculative benchmark (post-training only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${EXTRA_SITE:+:$EXTRA_SITE} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 LOG=runs/log; mkdir -p "$LOG"
 ctl() { [ -f runs/ctl.env ] && . runs/ctl.env; true; }
+stage() {  # stage NAME TIMEOUT_S COMMAND...: one timed stage, its log, a .done or .failed marker
+  local name=$1 limit=$2; shift 2
+  ctl
+  echo "$(date +%T) start $name" >> "$LOG/stages.txt"
+  local t0=$SECONDS
+  if timeout "$limit" "$@" > "$LOG/$name.log" 2>&1; then touch "$LOG/$name.done"; r=ok; else touch "$LOG/$name.failed"; r=failed; fi
+  echo "$(date +%T) $r $name $((SECONDS - t0)) s" >> "$LOG/stages.txt"
+}
 
 pipeline() {
-  export SFT_STEPS=${SFT_STEPS:-800} T_STEPS=${T_STEPS:-800} RL_STEPS=${RL_STEPS:-30} OPD_STEPS=${OPD_STEPS:-20}
-  ( ctl; bash scripts/posttrain_small.sh sft && ctl && bash scripts/posttrain_small.sh rl \
-      && python scripts/effort_tiers.py runs/post/rl --out runs/post/tiers || touch "$LOG/p1.failed" ) \
-      > "$LOG/p1.log" 2>&1 &
-  ( ctl; bash scripts/posttrain_small.sh teacher
-    while [ ! -f runs/post/sft/done.json ]; do sleep 5; [ -f "$LOG/p1.failed" ] && exit 1; done
-    ctl; bash scripts/posttrain_small.sh opd ) > "$LOG/p2.log" 2>&1 &
-  ( while [ ! -f runs/post/sft/done.json ]; do sleep 5; [ -f "$LOG/p1.failed" ] && exit 1; done
-    ctl; python -m dsv41 rl --checkpoint runs/post/sft --device cuda --eval-problems 64 --max-tokens 96 --digits 2,4 \
-      --prompts-per-step 8 --max-in-flight 96 --max-staleness 4 --max-offpolicy 0.8 --steps "$RL_STEPS" --lr "${RL_LR:-3e-5}" --dispatch batch --out runs/post/rl_sync
-  ) > "$LOG/p4.log" 2>&1 &  # the synchronous baseline's accuracy at equal steps (issue 21, acceptance 3)
-  if [ "${DSPARK_BUDGET_S:-300}" != 0 ]; then  # DSPARK_BUDGET_S=0: post-training only
-    ( OUT=runs/dspark RESULTS=runs/results BUDGET_S=${DSPARK_BUDGET_S:-300} bash scripts/train_dspark_small.sh \
-        && touch "$LOG/p3.done" ) > "$LOG/p3.log" 2>&1 &
-  fi
-  wait
-  bash scripts/posttrain_small.sh report > "$LOG/report.log" 2>&1
+  stage sft 900 bash scripts/posttrain_small.sh sft &
+  stage teacher 1200 bash scripts/posttrain_small.sh teacher &
+  wait %1; [ -f "$LOG/sft.done" ] || return 1
+  stage rl 600 bash scripts/posttrain_small.sh rl
+  [ -f "$LOG/rl.done" ] && stage tiers 300 python3 scripts/effort_tiers.py runs/post/rl --problems 256 --out runs/post/tiers
+  stage rl_sync 600 bash scripts/posttrain_small.sh rl_sync
+  wait  # the teacher
+  [ -f "$LOG/teacher.done" ] && stage opd 600 bash scripts/posttrain_small.sh opd
+  stage report 120 bash scripts/posttrain_small.sh report
   touch "$LOG/phase1.done"
-  # timed, one at a time
-  if [ -f "$LOG/p3.done" ]; then
-    mkdir -p runs/ckpt_spec && ln -sf "$PWD"/models/dsv41-small/* runs/ckpt_spec/ \
-      && ln -sfn "$PWD/runs/dspark" runs/ckpt_spec/dspark
-    ( ctl; python benchmarks/speculative.py --drafter dspark --checkpoint runs/ckpt_spec --text data/sample \
-        --out runs/results ) > "$LOG/speculative.log" 2>&1
-  fi
-  ( ctl; python benchmarks/rollouts.py --out runs/results ) > "$LOG/rollouts.log" 2>&1
-  python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_speculative_gpu.py \
-    tests/posttrain/test_rollout_gpu.py -s > "$LOG/gputests.log" 2>&1
+  stage rollouts 420 python3 benchmarks/rollouts.py --out runs/results
   touch "$LOG/all.done"
 }
 
-pack() {  # what exists so far -> $OUT (one tarball + the drafter in <16 MiB pieces); every output is under runs/
+pack() {  # what exists so far -> $OUT (one tarball); every output is under runs/
   [ -n "${OUT:-}" ] || return 0
   local files=("$LOG")
   for f in runs/post/*/eval.json runs/post/*/metrics.jsonl runs/post/*/done.json runs/post/plots runs/post/tiers \
-           runs/results runs/dspark/metrics.jsonl runs/dspark/acceptance.png runs/dspark/config.json; do
+           runs/results; do
     [ -e "$f" ] && files+=("$f")
   done
   tar czf "$OUT/session.tgz" "${files[@]}" 2>/dev/null
-  if [ -f "$LOG/p3.done" ]; then
-    (cd runs && tar cf - dspark/*.safetensors dspark/*.json) | split -b 15M - "$OUT/drafter.tar."
-  fi
 }
 
 case ${1:-watch} in
@@ -73,10 +72,13 @@ case ${1:-watch} in
   watch)
     end=$((SECONDS + ${WATCH_S:-560}))
     while [ $SECONDS -lt $end ] && [ ! -f "$LOG/all.done" ]; do
-      sleep 45
+      sleep 40
       echo "=== $(date +%T) t=${SECONDS}s $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)"
-      for f in "$LOG"/*.log; do echo "--- $f"; tail -n 2 "$f" | cut -c1-220; done
+      for f in "$LOG"/*.log; do echo "--- $f $(tr '\r' '\n' < "$f" | grep -v '^[[:space:]]*$' | tail -n 1 | cut -c1-200)"; done
+      for f in runs/post/*/metrics.jsonl; do [ -f "$f" ] && echo "--- $f $(tail -n 1 "$f" | cut -c1-200)"; done
     done
     [ -f "$LOG/all.done" ] && echo "ALL DONE"
+    cat "$LOG/stages.txt" 2>/dev/null
     pack; ls -la "${OUT:-/tmp}" ;;
+  *) echo "gpu_posttrain: start | watch" >&2; exit 2 ;;
 esac

@@ -10,6 +10,7 @@ missing directory, an unknown family, a bad number) prints one line and exits wi
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,28 @@ def _evaluate(model, tok, held, args) -> dict[int, dict[str, float]]:
     return evaluate(model, tok, held, args.efforts, args.max_tokens)
 
 
+def _eval_key(held, args) -> str:
+    """What an evaluation depends on besides the weights: the held-out problems, the efforts, the token limit."""
+    text = json.dumps([[p.question for p in held], sorted(args.efforts), args.max_tokens])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _evaluate_checkpoint(model, tok, held, args, checkpoint: Path | None) -> dict[int, dict[str, float]]:
+    """`_evaluate` of a model loaded from `checkpoint`, reusing the 'after' table of the stage that wrote it when
+    that stage evaluated the same problems the same way (its eval.json's eval_key): the weights are the same, so
+    the greedy replies are too, and a stage's 'before' costs nothing."""
+    f = checkpoint / "eval.json" if checkpoint is not None else None
+    if f is not None and f.is_file() and held:
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            data = {}
+        if data.get("eval_key") == _eval_key(held, args) and data.get("after"):
+            print(f"{checkpoint}: evaluation reused from its eval.json")
+            return {int(b): v for b, v in data["after"].items()}
+    return _evaluate(model, tok, held, args)
+
+
 def _print_eval(name: str, table: dict) -> None:
     for b, row in sorted(table.items(), key=lambda kv: int(kv[0])):
         print(f"{name:>7s}  b={int(b):3d}  accuracy {row['accuracy']:.3f}  "
@@ -129,7 +152,8 @@ def _finish(args, model, tok, held: list, before: dict, extra: dict[str, Any]) -
 
     after = _evaluate(model, tok, held, args)
     save_policy(model, tok, args.out, metadata={"stage": args.command})
-    result = {"stage": args.command, "before": before, "after": after, **extra}
+    result = {"stage": args.command, "before": before, "after": after,
+              "eval_key": _eval_key(held, args) if held else None, **extra}
     (args.out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
     _print_eval("before", before)
     _print_eval("after", after)
@@ -189,7 +213,7 @@ class _RL:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         model, tok, train, held = _setup(args)
-        before = _evaluate(model, tok, held, args)
+        before = _evaluate_checkpoint(model, tok, held, args, args.checkpoint)
         cfg = _loop_config(args, reward=reward)
         loop = AsyncLoop(model, tok, train, cfg, Metrics(args.out / "metrics.jsonl"))
         records = loop.run(grpo_step(model, tok, cfg))
@@ -241,8 +265,8 @@ class _OPD:
         device = next(model.parameters()).device
         models = {f"t{i}": load_policy(t, None, device)[0] for i, t in enumerate(args.teacher)}
         teachers = Teachers(models, {"*": ["t0"]})
-        teacher_eval = _evaluate(models["t0"], tok, held, args)
-        before = _evaluate(model, tok, held, args)
+        teacher_eval = _evaluate_checkpoint(models["t0"], tok, held, args, args.teacher[0])
+        before = _evaluate_checkpoint(model, tok, held, args, args.checkpoint)
         cfg = _loop_config(args)
         loop = AsyncLoop(model, tok, train, cfg, Metrics(args.out / "metrics.jsonl"))
 

@@ -110,21 +110,31 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, tok: Tok, problems: list[Problem], efforts: Iterable[int], max_tokens: int,
-             max_batch: int = 64) -> dict[int, dict[str, float]]:
-    """Greedy replies on the engine for every (problem, effort): effort → {accuracy, mean reasoning length, n}."""
+def greedy_replies(model: Transformer, tok: Tok, problems: list[Problem], efforts: Iterable[int], max_tokens: int,
+                   max_batch: int = 256) -> dict[int, list[list[int]]]:
+    """effort → the greedy reply ids of every problem (a final `<|end|>` kept when the reply stopped on it).
+    Every (problem, effort) request is queued at once, so the engine runs up to `max_batch` rows per step (a
+    decode step costs about the same at 64 rows as at 256: one wave per effort level left it mostly idle);
+    batching changes no greedy token (the engine's batch = alone)."""
     from dsv41.engine.engine import Engine
     from dsv41.engine.sampling import SamplingParams
 
+    efforts = list(efforts)
+    rows = max(1, min(max_batch, len(problems) * len(efforts)))
     # the engine takes its own copy: it switches the model to eval and may change its MoE dispatch
-    engine = Engine(clone_model(model), max_batch=max_batch, max_seq_len=min(model.config.max_seq_len, 1024))
+    engine = Engine(clone_model(model), max_batch=rows, max_seq_len=min(model.config.max_seq_len, 1024))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[END_TURN_ID])
+    seqs = {b: [engine.add_request(prompt_ids(tok, p, b), params) for p in problems] for b in efforts}
+    while engine.has_work():
+        engine.step()
+    return {b: [s.output + ([END_TURN_ID] if s.finish_reason == "stop" else []) for s in seqs[b]] for b in efforts}
+
+
+def evaluate(model: Transformer, tok: Tok, problems: list[Problem], efforts: Iterable[int], max_tokens: int,
+             max_batch: int = 256) -> dict[int, dict[str, float]]:
+    """Greedy replies on the engine for every (problem, effort): effort → {accuracy, mean reasoning length, n}."""
     out: dict[int, dict[str, float]] = {}
-    for b in efforts:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[END_TURN_ID])
-        seqs = [engine.add_request(prompt_ids(tok, p, b), params) for p in problems]
-        while engine.has_work():
-            engine.step()
-        replies = [s.output + ([END_TURN_ID] if s.finish_reason == "stop" else []) for s in seqs]
+    for b, replies in greedy_replies(model, tok, problems, efforts, max_tokens, max_batch).items():
         correct = [verify(tok, p, r) for p, r in zip(problems, replies)]
         lengths = [reasoning_length(tok, r) for r in replies]
         out[b] = {"accuracy": sum(correct) / len(correct), "reasoning_tokens": sum(lengths) / len(lengths),

@@ -19,7 +19,7 @@ from dsv41.train.plot import save_figure
 def effort_table(run: Path) -> dict[str, dict[int, dict[str, float]]]:
     """label → effort → {accuracy, reasoning_tokens}: before (the SFT stage's 'before'), then each stage's 'after'."""
     rows: dict[str, dict[int, dict[str, float]]] = {}
-    for stage in ("sft", "rl", "opd", "teacher"):
+    for stage in ("sft", "rl", "rl_sync", "opd", "teacher"):
         f = run / stage / "eval.json"
         if not f.exists():
             continue

@@ -30,12 +30,18 @@ class SFTConfig:
     grad_clip: float = 1.0
     log_every: int = 10
     seed: int = 0
+    pad_multiple: int = 32  # lengths rounded up to a multiple: few shapes (Triton / Inductor compile per shape)
 
 
-def sft_batch(tok: Tok, problems: list[Problem], efforts: list[int]) -> dict[str, Tensor]:
-    """tokens, targets (B, T) padded with <pad>, loss_mask (B, T): True on the reply's targets only."""
+def sft_batch(tok: Tok, problems: list[Problem], efforts: list[int], pad_multiple: int = 1) -> dict[str, Tensor]:
+    """tokens, targets (B, T) padded with <pad> at the end (T rounded up to a multiple of `pad_multiple`),
+    loss_mask (B, T): True on the reply's targets only. The model is causal and the masks keep padding out of
+    the loss and the MoE statistics, so the padding changes no loss."""
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple must be >= 1, got {pad_multiple}")
     examples = [sft_example(tok, p, b) for p, b in zip(problems, efforts)]
     T = max(len(ids) for ids, _ in examples) - 1
+    T = -(-T // pad_multiple) * pad_multiple
     B = len(examples)
     tokens = torch.full((B, T), PAD_ID, dtype=torch.long)
     targets = torch.full((B, T), PAD_ID, dtype=torch.long)
@@ -62,7 +68,7 @@ def train_sft(model: Transformer, tok: Tok, problems: list[Problem], cfg: SFTCon
         lr = set_lr(optimizer, cfg.lr, step - start_step, cfg.warmup)
         chosen = [rng.choice(problems) for _ in range(cfg.batch_size)]
         efforts = [rng.choice(cfg.efforts) for _ in chosen]
-        batch = {k: v.to(device) for k, v in sft_batch(tok, chosen, efforts).items()}
+        batch = {k: v.to(device) for k, v in sft_batch(tok, chosen, efforts, cfg.pad_multiple).items()}
         real = batch["tokens"] != PAD_ID
         out = model.losses(batch["tokens"], batch["targets"], loss_mask=batch["loss_mask"], token_mask=real,
                            attention="sparse")
