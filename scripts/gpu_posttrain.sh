@@ -5,11 +5,12 @@
 #
 #   bash scripts/gpu_posttrain.sh start   # launch (idempotent), then watch
 #   bash scripts/gpu_posttrain.sh watch   # follow the logs for up to WATCH_S seconds (default 560)
+#   SMOKE=1 PYTHON=.venv/bin/python bash scripts/gpu_posttrain.sh _pipeline   # the same stages, tiny, on the CPU
 #
 # Order: the student's SFT and the teacher's SFT side by side (training only; their times are not measured),
 # then one at a time, alone on the GPU, so their times are measurements: RL (sample dispatch), the server's
-# effort tiers on it, the synchronous RL baseline (batch dispatch, same steps), OPD, the plots,
-# benchmarks/rollouts.py. Step counts and batches: scripts/posttrain_small.sh. (The 2026-12-02 run put four
+# effort tiers on it, OPD, the synchronous RL baseline (batch dispatch, same budget), the plots,
+# benchmarks/rollouts.py (acceptance order: what matters most runs first). Step counts and batches: scripts/posttrain_small.sh. (The 2026-12-02 run put four
 # processes on the GPU at once: a host-bound decode step then waits for the others' kernels, and rollouts ran
 # ~40x slower than the engine's measured step.)
 # The detached work lives only while the machine is held: a `watch` call must follow the last call within the
@@ -24,6 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src${EXTRA_SITE:+:$EXTRA_SITE} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 LOG=runs/log; mkdir -p "$LOG"
+PY=${PYTHON:-python3}
 ctl() { [ -f runs/ctl.env ] && . runs/ctl.env; true; }
 stage() {  # stage NAME TIMEOUT_S COMMAND...: one timed stage, its log, a .done or .failed marker
   local name=$1 limit=$2; shift 2
@@ -35,17 +37,27 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...: one timed stage, its log, a .done 
 }
 
 pipeline() {
-  stage sft 900 bash scripts/posttrain_small.sh sft &
-  stage teacher 1200 bash scripts/posttrain_small.sh teacher &
-  wait %1; [ -f "$LOG/sft.done" ] || return 1
-  stage rl 600 bash scripts/posttrain_small.sh rl
-  [ -f "$LOG/rl.done" ] && stage tiers 300 python3 scripts/effort_tiers.py runs/post/rl --problems 256 --out runs/post/tiers
-  stage rl_sync 600 bash scripts/posttrain_small.sh rl_sync
+  # each stage's training has a time budget (evaluations outside it), so the whole run fits ~24 minutes;
+  # SMOKE=1: every stage at tiny sizes on the CPU (checks this script end to end, ~5 min)
+  export SFT_SECONDS=${SFT_SECONDS:-240} T_SECONDS=${T_SECONDS:-300} RL_SECONDS=${RL_SECONDS:-180} \
+         OPD_SECONDS=${OPD_SECONDS:-180}
+  local S=() TIERS=(--problems 256) BENCH=()
+  if [ -n "${SMOKE:-}" ]; then
+    S=(--device cpu --preset tiny); TIERS=(--device cpu --problems 4 --max-tokens 16)
+    BENCH=(--device cpu --preset tiny --steps 2 --prompts-per-step 2)
+  fi
+  stage sft 900 bash scripts/posttrain_small.sh sft "${S[@]}" &
+  local sft=$!
+  stage teacher 1200 bash scripts/posttrain_small.sh teacher "${S[@]}" &
+  wait $sft; [ -f "$LOG/sft.done" ] || return 1
+  stage rl 600 bash scripts/posttrain_small.sh rl "${S[@]}"
+  [ -f "$LOG/rl.done" ] && stage tiers 300 "$PY" scripts/effort_tiers.py runs/post/rl "${TIERS[@]}" --out runs/post/tiers
   wait  # the teacher
-  [ -f "$LOG/teacher.done" ] && stage opd 600 bash scripts/posttrain_small.sh opd
+  [ -f "$LOG/teacher.done" ] && stage opd 600 bash scripts/posttrain_small.sh opd "${S[@]}"
+  stage rl_sync 600 bash scripts/posttrain_small.sh rl_sync "${S[@]}"
   stage report 120 bash scripts/posttrain_small.sh report
   touch "$LOG/phase1.done"
-  stage rollouts 420 python3 benchmarks/rollouts.py --out runs/results
+  stage rollouts 300 "$PY" benchmarks/rollouts.py "${BENCH[@]}" --out runs/results
   touch "$LOG/all.done"
 }
 

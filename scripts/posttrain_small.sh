@@ -15,7 +15,9 @@
 # machine): run them back to back on one machine. `report` copies eval.json, metrics and plots to $OUT when set.
 # Step counts: SFT_STEPS, RL_STEPS, T_STEPS (teacher), OPD_STEPS in the environment override the defaults;
 # SFT_LR (3e-4), T_LR (3e-4, the teacher) and RL_LR (3e-5, RL and OPD) the learning rates (1e-4 / 1e-5 left the
-# 2026-12-02 run under-trained), SFT_BATCH (256) the SFT batch of the student and the teacher.
+# 2026-12-02 run under-trained), SFT_BATCH (256) the SFT batch of the student and the teacher; SFT_SECONDS,
+# T_SECONDS, RL_SECONDS (RL and its synchronous baseline), OPD_SECONDS stop a stage's training after that many
+# seconds (whole steps; 0 = none).
 # Options after the stage: --device DEV (default cuda), --preset NAME (random-init student: smoke runs),
 # --run DIR (default runs/post).
 set -euo pipefail
@@ -64,17 +66,19 @@ PY
 }
 
 case $STAGE in
-  sft) dsv41 sft "${SRC[@]}" "${COMMON[@]}" --steps $SFT_STEPS --batch-size $SFT_BATCH --lr ${SFT_LR:-3e-4} --out "$RUN/sft" ;;
-  rl) dsv41 rl --checkpoint "$RUN/sft" "${COMMON[@]}" "${LOOP[@]}" --steps $RL_STEPS --lr ${RL_LR:-3e-5} --out "$RUN/rl" ;;
+  sft) dsv41 sft "${SRC[@]}" "${COMMON[@]}" --steps $SFT_STEPS --batch-size $SFT_BATCH --lr ${SFT_LR:-3e-4} \
+      --max-seconds ${SFT_SECONDS:-0} --out "$RUN/sft" ;;
+  rl) dsv41 rl --checkpoint "$RUN/sft" "${COMMON[@]}" "${LOOP[@]}" --steps $RL_STEPS --lr ${RL_LR:-3e-5} \
+      --max-seconds ${RL_SECONDS:-0} --out "$RUN/rl" ;;
   rl_sync)  # the synchronous baseline: batch dispatch, same steps (issue 21, acceptance 3)
     dsv41 rl --checkpoint "$RUN/sft" "${COMMON[@]}" "${LOOP[@]}" --steps $RL_STEPS --lr ${RL_LR:-3e-5} --dispatch batch \
-      --out "$RUN/rl_sync" ;;
+      --max-seconds ${RL_SECONDS:-0} --out "$RUN/rl_sync" ;;
   teacher)
     teacher_config
-    dsv41 sft --config "$RUN/teacher_config.json" "${COMMON[@]}" --steps $T_STEPS --batch-size $SFT_BATCH --lr ${T_LR:-3e-4} \
+    dsv41 sft --config "$RUN/teacher_config.json" "${COMMON[@]}" --steps $T_STEPS --batch-size $SFT_BATCH --lr ${T_LR:-3e-4} --max-seconds ${T_SECONDS:-0} \
       --out "$RUN/teacher" ;;
   opd) dsv41 opd --checkpoint "$RUN/sft" --teacher "$RUN/teacher" "${COMMON[@]}" "${LOOP[@]}" --steps $OPD_STEPS \
-      --lr ${RL_LR:-3e-5} --out "$RUN/opd" ;;
+      --lr ${RL_LR:-3e-5} --max-seconds ${OPD_SECONDS:-0} --out "$RUN/opd" ;;
   report)
     "$PY" -m dsv41.posttrain.plot "$RUN"
     if [[ -n ${OUT:-} ]]; then  # on the device machine: bring back the small files (no checkpoints)

@@ -87,3 +87,26 @@ def test_padding_an_sft_batch_changes_no_loss_or_gradient(tok, model, attention)
         torch.testing.assert_close(g32[name], g1[name], rtol=1e-5, atol=1e-7, msg=name)
     with pytest.raises(ValueError):
         sft_batch(tok, problems, efforts, pad_multiple=0)
+
+
+def test_max_seconds_stops_sft_and_the_loop_after_whole_steps(tok, model, tmp_path, monkeypatch):
+    """A time budget ends training at a step boundary: SFT after its first step (the budget is already spent),
+    the loop before its first update; without one both run their step counts."""
+    from dsv41.posttrain.common import Metrics
+    from dsv41.posttrain.loop import AsyncLoop, LoopConfig
+    from dsv41.posttrain.sft import SFTConfig, train_sft
+
+    problems = generate(("add",), 16, 2, seed=4)
+    for budget, expected in ((1e-9, 1), (0.0, 3)):
+        m = clone_model(model)
+        losses = train_sft(m, tok, problems, SFTConfig(steps=3, batch_size=2, max_seconds=budget),
+                           Metrics(tmp_path / f"sft{expected}.jsonl"))
+        assert len(losses) == expected
+    assert json.loads((tmp_path / "sft1.jsonl").read_text().splitlines()[-1])["stopped"] == "max_seconds"
+    for budget, expected in ((1e-9, 0), (0.0, 1)):
+        cfg = LoopConfig(steps=1, prompts_per_step=1, samples_per_effort=1, efforts=(25,), max_tokens=3,
+                         max_in_flight=2, max_staleness=8, max_offpolicy=1.0, max_seconds=budget)
+        loop = AsyncLoop(clone_model(model), tok, problems, cfg)
+        records = loop.run(lambda samples, version: {})
+        loop.close()
+        assert len(records) == expected and ("stopped_at_max_seconds" in loop.counters) == (expected == 0)

@@ -55,6 +55,9 @@ def _common(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
     p.add_argument("--eval-problems", type=int, default=64, help="held-out problems per effort level (0 = no eval)")
     p.add_argument("--max-tokens", type=_positive, default=96, help="reply tokens at most (sampling and eval)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=0.0,
+                   help="stop training after this many seconds (0 = no limit; a whole step always finishes; "
+                        "the evaluations are outside it)")
 
 
 def _loop_args(p: argparse.ArgumentParser) -> None:
@@ -88,6 +91,8 @@ def _setup(args: argparse.Namespace):
         raise ConfigError(f"--efforts: distinct values in 1..100, got {args.efforts}")
     if args.lr <= 0:
         raise ConfigError(f"--lr must be positive, got {args.lr}")
+    if not args.max_seconds >= 0:
+        raise ConfigError(f"--max-seconds must be >= 0, got {args.max_seconds}")
     digits = lo_hi[0] if len(lo_hi) == 1 else (lo_hi[0], lo_hi[1])
     device = resolve_device(args.device)
     torch.manual_seed(args.seed)
@@ -180,9 +185,10 @@ class _SFT:
             return 0
         model, tok, train, held = _setup(args)
         before = _evaluate(model, tok, held, args)
-        cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, efforts=args.efforts, seed=args.seed)
+        cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, efforts=args.efforts, seed=args.seed,
+                        max_seconds=args.max_seconds)
         losses = train_sft(model, tok, train, cfg, Metrics(args.out / "metrics.jsonl"))
-        return _finish(args, model, tok, held, before, {"final_loss": losses[-1]})
+        return _finish(args, model, tok, held, before, {"final_loss": losses[-1], "steps": len(losses)})
 
 
 # ---------------------------------------------------------------------- rl
@@ -218,7 +224,8 @@ class _RL:
         loop = AsyncLoop(model, tok, train, cfg, Metrics(args.out / "metrics.jsonl"))
         records = loop.run(grpo_step(model, tok, cfg))
         loop.close()
-        return _finish(args, model, tok, held, before, {"steps": len(records)})
+        return _finish(args, model, tok, held, before, {"steps": len(records),
+                                                  "stopped_at_max_seconds": "stopped_at_max_seconds" in loop.counters})
 
 
 def _loop_config(args, **kw):
@@ -230,7 +237,7 @@ def _loop_config(args, **kw):
                       samples_per_effort=args.samples_per_effort, efforts=tuple(args.efforts),
                       max_tokens=args.max_tokens, temperature=args.temperature, lr=args.lr, dispatch=args.dispatch,
                       max_in_flight=args.max_in_flight, max_staleness=args.max_staleness,
-                      max_offpolicy=args.max_offpolicy, seed=args.seed, **kw)
+                      max_offpolicy=args.max_offpolicy, seed=args.seed, max_seconds=args.max_seconds, **kw)
 
 
 # ---------------------------------------------------------------------- opd
@@ -280,6 +287,7 @@ class _OPD:
         _print_eval("teacher", teacher_eval)
         n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
         return _finish(args, model, tok, held, before, {"steps": len(records), "teacher": teacher_eval,
+                                                  "stopped_at_max_seconds": "stopped_at_max_seconds" in loop.counters,
                                                   "teacher_params": n_params,
                                                   "student_params": sum(p.numel() for p in model.parameters())})
 

@@ -62,6 +62,7 @@ class LoopConfig:
     clip: ClipConfig = field(default_factory=ClipConfig)
     reward: EffortReward = field(default_factory=EffortReward)
     seed: int = 0
+    max_seconds: float = 0.0  # stop after this many seconds (0 = no limit); an update in progress finishes
 
 
 StepFn = Callable[[list[Sample], int], dict[str, Any]]
@@ -119,6 +120,9 @@ class AsyncLoop:
         t0 = time.perf_counter()
         rollout_s = train_s = 0.0
         while self.version < cfg.steps:
+            if cfg.max_seconds and time.perf_counter() - t0 >= cfg.max_seconds:
+                self.counters["stopped_at_max_seconds"] = 1
+                break
             if self.rollouts.in_flight == 0 and not self.ready:
                 break  # nothing left to sample
             if self.rollouts.in_flight:

@@ -9,6 +9,7 @@ it writes before answering — the starting point RL sharpens.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ class SFTConfig:
     grad_clip: float = 1.0
     log_every: int = 10
     seed: int = 0
+    max_seconds: float = 0.0  # stop after this many seconds of training (0 = no limit); whole steps only
     pad_multiple: int = 32  # lengths rounded up to a multiple: few shapes (Triton / Inductor compile per shape)
 
 
@@ -64,7 +66,12 @@ def train_sft(model: Transformer, tok: Tok, problems: list[Problem], cfg: SFTCon
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     losses = []
+    t0 = time.perf_counter()
     for step in range(start_step + 1, start_step + cfg.steps + 1):
+        if cfg.max_seconds and losses and time.perf_counter() - t0 >= cfg.max_seconds:
+            if metrics is not None:
+                metrics.log({"stage": "sft", "step": step - 1, "loss": losses[-1], "stopped": "max_seconds"})
+            break
         lr = set_lr(optimizer, cfg.lr, step - start_step, cfg.warmup)
         chosen = [rng.choice(problems) for _ in range(cfg.batch_size)]
         efforts = [rng.choice(cfg.efforts) for _ in chosen]
