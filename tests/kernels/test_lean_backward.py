@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dsv41.kernels.ref import norm, swiglu
+from dsv41.testing.saved import saved_bytes
 
 
 def _grad_pair(lean, plain, args, seed=1):
@@ -58,27 +59,13 @@ def test_swiglu_backward_equals_plain_autograd(dtype, limit, groups):
         _close(a, b)
 
 
-def _saved_bytes(fn, args) -> int:
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    args = [a.detach().clone().requires_grad_(True) for a in args]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    inputs = {a.untyped_storage().data_ptr() for a in args}
-    return sum(n for p, n in seen.items() if p not in inputs)
-
-
 def test_the_lean_functions_save_no_fp32_copy_of_a_bf16_input():
     x = torch.randn(8, 16, 128).to(torch.bfloat16)
     w = torch.ones(128)
     fp32_copy = x.numel() * 4
-    assert _saved_bytes(lambda x, w: norm._rms_norm_math(x, w, 1e-6)[0], [x, w]) >= fp32_copy  # can fail
-    assert _saved_bytes(lambda x, w: norm.rms_norm(x, w, 1e-6), [x, w]) < fp32_copy // 16  # the (…, 1) rsqrt
+    assert saved_bytes(lambda x, w: norm._rms_norm_math(x, w, 1e-6)[0], [x, w]) >= fp32_copy  # can fail
+    assert saved_bytes(lambda x, w: norm.rms_norm(x, w, 1e-6), [x, w]) < fp32_copy // 16  # the (…, 1) rsqrt
     gate, up, rw = torch.randn(64, 256).to(torch.bfloat16), torch.randn(64, 256).to(torch.bfloat16), torch.rand(64, 1)
     fp32_copy = gate.numel() * 4
-    assert _saved_bytes(lambda *a: swiglu._swiglu_math(*a[:2], 1.5, a[2], None), [gate, up, rw]) >= fp32_copy
-    assert _saved_bytes(lambda *a: swiglu.swiglu(*a[:2], 1.5, a[2], None), [gate, up, rw]) == 0
+    assert saved_bytes(lambda *a: swiglu._swiglu_math(*a[:2], 1.5, a[2], None), [gate, up, rw]) >= fp32_copy
+    assert saved_bytes(lambda *a: swiglu.swiglu(*a[:2], 1.5, a[2], None), [gate, up, rw]) == 0

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dsv41.model import mhc
+from dsv41.testing.saved import saved_bytes
 
 B, T, N, D = 2, 5, 4, 48
 
@@ -66,27 +67,13 @@ def test_lean_functions_with_bf16_streams_match_plain_autograd(name):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * 1e-2)
 
 
-def _saved_bytes(fn, args) -> int:
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    args = [a.detach().clone().requires_grad_(True) for a in args]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    inputs = {a.untyped_storage().data_ptr() for a in args}
-    return sum(n for ptr, n in seen.items() if ptr not in inputs)  # bytes beyond the inputs themselves
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_lean_functions_save_no_fp32_copy_of_a_bf16_stream(name):
     pick, lean, plain = CASES[name]
     args = pick(*_inputs(torch.float32, stream_dtype=torch.bfloat16, seed=5))
     stream = B * T * N * D * 4  # bytes of one fp32 copy of the streams
-    assert _saved_bytes(plain, args) >= stream  # what autograd of the formula keeps (the check can fail)
-    assert _saved_bytes(lean, args) < stream // 4  # only small per-token tensors (hc_project: lin, rsqrt)
+    assert saved_bytes(plain, args) >= stream  # what autograd of the formula keeps (the check can fail)
+    assert saved_bytes(lean, args) < stream // 4  # only small per-token tensors (hc_project: lin, rsqrt)
 
 
 def test_without_gradients_the_plain_formulas_run():
