@@ -108,7 +108,9 @@ class TrainConfig:
     seed: int = 0  # weights, data order and replay starts
     dtype: str = "fp32"  # "fp32" or "bf16" (autocast; master weights and optimizer state stay fp32)
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-    compile: bool = False  # torch.compile every Block, applied from outside (apply_block_options)
+    # torch.compile every Block, applied from outside (apply_block_options); a cold compile of small takes
+    # > 9 min on the H200 (11 block kinds, forward + backward), ~1 min from Inductor's cache (docs/training.md)
+    compile: bool = False
     attention: str = "sparse"  # "sparse" (window band ∪ gathered top-k) or "dense" (the masked spec); same math
     checkpoint_activations: bool = False  # recompute each Block's activations in the backward pass
     threads: int = 0  # > 0: torch.set_num_threads (CPU determinism and sharing)
