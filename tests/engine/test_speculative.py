@@ -477,3 +477,36 @@ def test_the_cost_model_drafts_only_where_measured_speculative_steps_beat_plain_
     assert engine._worth_drafting(rows)
     engine.reset_cost_model()
     assert engine._worth_drafting(rows[:1])
+
+
+def _run_logprobs(engine: Engine, prompts, max_tokens, k: int):
+    """Each request's (token, logprob, top ids, top logprobs) per emitted token, from the step outputs."""
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=m, logprobs=k)) for p, m in zip(prompts, max_tokens)]
+    rows = {s.id: [] for s in seqs}
+    while engine.has_work():
+        for out in engine.step():
+            top = out.top_logprobs or []
+            rows[out.request.id].append((out.token, out.logprob, [t for t, _ in top], [lp for _, lp in top]))
+    return [rows[s.id] for s in seqs]
+
+
+def test_logprobs_under_speculation_equal_plain_decodes():
+    """Every token a speculative step emits — accepted drafts, the correction, the bonus token — reports the
+    logprob and top alternatives plain decoding reports for it (log-softmax of the unmodified logits at that
+    position), none missing; the drafts are the plain continuation corrupted at 35 % of the positions."""
+    model = engine_test_model(47)
+    prompts, max_tokens = _prompts(model, 24, 47)
+    max_tokens = [m + 4 for m in max_tokens]  # several verifications per request
+    plain = _run_logprobs(Engine(model, max_batch=12, max_seq_len=128), prompts, max_tokens, k=3)
+    continuations = {tuple(p): [t for t, *_ in rows] for p, rows in zip(prompts, plain)}
+    drafter = NoisyDrafter(model.config.vocab_size, 4, base=ScriptedDrafter(4, continuations), noise=0.35)
+    engine = Engine(model, max_batch=12, max_seq_len=128, drafter=drafter, step_time=FLAT)
+    spec = _run_logprobs(engine, prompts, max_tokens, k=3)
+    st = engine.stats.speculative
+    assert st.accepted > 0 and st.accepted < st.drafted  # partial acceptance: drafts, corrections and bonuses
+    for i, (a_rows, b_rows) in enumerate(zip(spec, plain)):
+        assert [r[0] for r in a_rows] == [r[0] for r in b_rows], i
+        for (tok, lp, ids, lps), (_, lp_p, ids_p, lps_p) in zip(a_rows, b_rows):
+            assert lp is not None and len(ids) == 3, (i, tok)
+            assert abs(lp - lp_p) < 1e-4 and ids == ids_p, (i, tok, lp, lp_p)
+            assert max(abs(x - y) for x, y in zip(lps, lps_p)) < 1e-4
