@@ -16,10 +16,11 @@
 # The detached work lives only while the machine is held: a `watch` call must follow the last call within the
 # device's idle window (30 s), or the machine goes back and the run is lost (2026-12-04: it was, after 9 min).
 # The server (effort tiers) needs fastapi, uvicorn and pydantic, which the box lacks: download their cp312
-# wheels into .whl (the device README's pip download line; fastapi starlette uvicorn pydantic pydantic_core
-# annotated-types typing-inspection typing_extensions, ~3 MiB), park the drafter and models/dsv41-tiny-vl
-# (scripts/device_tree.sh park drafter; park vl), carry .whl, install them to /tmp/site and pass
-# EXTRA_SITE=/tmp/site.
+# wheels into .whl (the device README's pip download line; the versions of .venv: fastapi starlette uvicorn
+# pydantic pydantic_core opentelemetry-api annotated-types typing-inspection typing_extensions, ~3 MiB), park the
+# drafter and models/dsv41-tiny-vl (scripts/device_tree.sh park drafter; park vl), carry .whl, and start with
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+#   EXTRA_SITE=/tmp/site WATCH_S=540 bash scripts/gpu_posttrain.sh start
 # runs/ctl.env, when present, is sourced before each later stage (change step counts of a running session).
 set -uo pipefail
 cd "$(dirname "$0")/.."
