@@ -105,7 +105,7 @@ def test_graph_keys_are_batch_buckets_and_power_of_two_entry_bounds():
     assert [entry_bound(n, 1024) for n in (0, 5, 1024, 1025, 70000)] == [1024, 1024, 1024, 2048, 131072]
 
 
-def test_the_decode_step_launches_the_same_ops_whatever_the_data(capsys, monkeypatch):
+def test_the_decode_step_launches_the_same_ops_whatever_the_data(monkeypatch):
     """What makes one CUDA graph per (batch bucket, entry bound) valid: the static decode step's op sequence
     depends on those shapes only — not on the tokens, the positions, how many entries each row has or how many
     rows are real. Counted per op name over: the step now, the next step (every row one token further, other

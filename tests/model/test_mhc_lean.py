@@ -76,8 +76,14 @@ def test_lean_functions_save_no_fp32_copy_of_a_bf16_stream(name):
     assert saved_bytes(lean, args) < stream // 4  # only small per-token tensors (hc_project: lin, rsqrt)
 
 
-def test_without_gradients_the_plain_formulas_run():
+def test_the_functions_run_only_where_a_gradient_is_taken():
+    """Training (a gradient needed) goes through the Functions; inference (no_grad, or no input requiring a
+    gradient) keeps the plain formulas — the engine's path is unchanged."""
     x, f, pre, post, comb, fn = _inputs(torch.float32)
+    x.requires_grad_(True)
+    assert type(mhc.hc_pre(x, pre).grad_fn).__name__ == "_HcPreBackward"
+    assert type(mhc.hc_post(f, x, post, comb).grad_fn).__name__ == "_HcPostBackward"
+    assert type(mhc.hc_project(x, fn, 1e-6).grad_fn).__name__ == "_HcProjectBackward"
     with torch.no_grad():
-        assert torch.equal(mhc.hc_pre(x.requires_grad_(), pre), mhc._hc_pre_math(x, pre))
-    assert not mhc._lean(x.detach(), pre)  # nothing needs a gradient: no Function node either
+        assert torch.equal(mhc.hc_pre(x, pre), mhc._hc_pre_math(x, pre))
+    assert mhc.hc_pre(x.detach(), pre).grad_fn is None

@@ -80,6 +80,12 @@ def _forced() -> bool | None:
     return None
 
 
+def needs_grad(*tensors: Tensor | None) -> bool:
+    """A gradient will be taken through a call on these tensors (grad mode on, one of them requires it):
+    `auto` keeps such calls on the twins, and the twins' training Functions switch on it."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _use_triton(*tensors: Tensor | None) -> bool:
     forced = _forced()
     if forced is not None:
@@ -87,7 +93,7 @@ def _use_triton(*tensors: Tensor | None) -> bool:
     present = [t for t in tensors if t is not None]
     if not HAVE_TRITON or not present or not all(t.is_cuda for t in present):
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
+    return not needs_grad(*present)
 
 
 def _impl(family: str, name: str, *tensors: Tensor | None, supported: bool = True):

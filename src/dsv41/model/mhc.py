@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dsv41.kernels.ops import needs_grad
+
 
 def hc_split_sinkhorn(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int,
                       eps: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -48,7 +50,7 @@ def _hc_project_math(x: Tensor, hc_fn: Tensor, norm_eps: float) -> Tensor:
 
 def hc_project(x: Tensor, hc_fn: Tensor, norm_eps: float) -> Tensor:
     """Projection of flatten(x) (B, T, n, d), divided by its RMS: (B, T, (2+n)·n) fp32."""
-    if _lean(x, hc_fn):
+    if needs_grad(x, hc_fn):
         return _HcProject.apply(x, hc_fn, norm_eps)
     return _hc_project_math(x, hc_fn, norm_eps)
 
@@ -66,7 +68,7 @@ def _hc_pre_math(x: Tensor, pre: Tensor) -> Tensor:
 
 def hc_pre(x: Tensor, pre: Tensor) -> Tensor:
     """Collapse streams: (B, T, n, d) × (B, T, n) → (B, T, d), summed in fp32."""
-    if _lean(x, pre):
+    if needs_grad(x, pre):
         return _HcPre.apply(x, pre)
     return _hc_pre_math(x, pre)
 
@@ -78,7 +80,7 @@ def _hc_post_math(f: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Te
 
 def hc_post(f: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
     """Expand a sublayer output back: y_j = post_j·f + Σ_i comb_ij·x_i → (B, T, n, d)."""
-    if _lean(f, residual, post, comb):
+    if needs_grad(f, residual, post, comb):
         return _HcPost.apply(f, residual, post, comb)
     return _hc_post_math(f, residual, post, comb)
 
@@ -89,11 +91,7 @@ def hc_post(f: Tensor, residual: Tensor, post: Tensor, comb: Tensor) -> Tensor:
 # the streams are the model's widest activations (n = 4 copies of d). These Functions compute the same
 # forward and save the inputs as they came (bf16 tensors that other ops keep alive anyway), upcasting again
 # in the backward; the upcast is exact, so the gradients are the plain autograd's up to fp32 summation order.
-def _lean(*tensors: Tensor) -> bool:
-    """Use the lean Functions when a gradient will be taken (training); plain formulas otherwise."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
+# Only when a gradient will be taken (`ops.needs_grad`): inference keeps the plain formulas.
 class _HcPre(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, pre: Tensor) -> Tensor:

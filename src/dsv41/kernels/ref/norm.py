@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dsv41.kernels.ops import needs_grad
+
 
 def _rms_norm_math(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     h = x.float()
@@ -18,7 +20,7 @@ def _rms_norm_math(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tenso
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """weight · x / sqrt(mean(x²) + eps) over the last dim, in fp32, returned in x's dtype."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if needs_grad(x, weight):
         return _RMSNorm.apply(x, weight, eps)
     return _rms_norm_math(x, weight, eps)[0]
 

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dsv41.kernels.ops import needs_grad
+
 
 def _swiglu_math(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None, out_dtype: torch.dtype | None
                  ) -> Tensor:
@@ -29,8 +31,7 @@ def swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None = None,
     MoE's per-expert blocks) — or None. In training (a gradient needed) the same forward runs in an autograd
     Function that saves gate, up and weight as they came instead of autograd's fp32 copies and silu
     intermediates (the experts' widest activations), and recomputes them in the backward."""
-    tensors = (gate, up) if weight is None else (gate, up, weight)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if needs_grad(gate, up, weight):
         return _SwiGLU.apply(gate, up, limit, weight, out_dtype)
     return _swiglu_math(gate, up, limit, weight, out_dtype)
 
