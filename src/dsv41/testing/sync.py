@@ -143,6 +143,11 @@ class NoSyncMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def launches_kernel(func) -> bool:
+    """An aten op that is neither a view nor a bare allocation: on a GPU it launches at least one kernel."""
+    return not getattr(func, "is_view", False) and func not in _NO_KERNEL
+
+
 class OpCounter(TorchDispatchMode):
     """Counts aten ops by name; `kernels` = ops that are neither views nor bare allocations (on a GPU each
     of them launches at least one kernel; fused or compiled code launches fewer)."""
@@ -158,6 +163,6 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[str(func.overloadpacket)] += 1
-        if not getattr(func, "is_view", False) and func not in _NO_KERNEL:
+        if launches_kernel(func):
             self.kernels += 1
         return func(*args, **(kwargs or {}))
