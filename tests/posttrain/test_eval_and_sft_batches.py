@@ -59,8 +59,10 @@ def test_before_is_reused_only_for_the_same_evaluation(tok, tmp_path, monkeypatc
     assert post_cli._evaluate_checkpoint(None, tok, held[:2], args, tmp_path) == {25: {"accuracy": 0.0}}
     (tmp_path / "eval.json").write_text("{not json")
     assert post_cli._evaluate_checkpoint(None, tok, held, args, tmp_path) == {25: {"accuracy": 0.0}}
+    (tmp_path / "eval.json").write_text("[1, 2]")  # JSON, but not a stage's record
+    assert post_cli._evaluate_checkpoint(None, tok, held, args, tmp_path) == {25: {"accuracy": 0.0}}
     assert post_cli._evaluate_checkpoint(None, tok, held, args, None) == {25: {"accuracy": 0.0}}
-    assert len(calls) == 4
+    assert len(calls) == 5
 
 
 @pytest.mark.parametrize("attention", ["sparse", "dense"])

@@ -140,7 +140,7 @@ def _evaluate_checkpoint(model, tok, held, args, checkpoint: Path | None) -> dic
             data = json.loads(f.read_text())
         except (OSError, ValueError):
             data = {}
-        if data.get("eval_key") == _eval_key(held, args) and data.get("after"):
+        if isinstance(data, dict) and data.get("eval_key") == _eval_key(held, args) and data.get("after"):
             print(f"{checkpoint}: evaluation reused from its eval.json")
             return {int(b): v for b, v in data["after"].items()}
     return _evaluate(model, tok, held, args)
