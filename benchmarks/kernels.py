@@ -21,13 +21,15 @@ Writes benchmarks/results/kernels-<date>.json (kernels-<date>-2.json, … for la
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib
 import json
 import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import dated_path  # noqa: E402
 
 FAMILIES = ("attention", "indexer", "mhc", "cache_write")
 
@@ -154,13 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     engine = engine_decode(args.engine_contexts, args.engine_batch, device) \
         if args.engine_contexts else []
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernels-{dt.date.today().isoformat()}.json"
-    n = 1
-    while path.exists():  # a second run on the same day keeps the first one's file
-        n += 1
-        path = out / f"kernels-{dt.date.today().isoformat()}-{n}.json"
+    path = dated_path(args.out, "kernels")  # a second run on the same day keeps the first one's file
     path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                     triton=importlib.import_module("triton").__version__, ceilings=ceil,
                                     cases=rows, failures=failures, engine_decode=engine), indent=1))

@@ -34,7 +34,10 @@ from pathlib import Path
 
 import torch
 
-from dsv41 import load_config
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import dated_path  # noqa: E402
+
+from dsv41 import load_config  # noqa: E402
 from dsv41.accounting import compute
 from dsv41.engine.cache import SequenceCache, private_pools
 from dsv41.engine.engine import Engine
@@ -352,13 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                           "kv_heads": pc.num_key_value_heads, "head_dim": pc.head_dim,
                           "kv_bytes_per_token": 2 * pc.num_hidden_layers * pc.num_key_value_heads * pc.head_dim * 2}
     print(json.dumps({k: report[k] for k in ("device", "ceilings", "dsv41_active_params")}, default=str))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"peer_decode-{report['date']}.json"
-    k = 2
-    while path.exists():
-        path = out / f"peer_decode-{report['date']}-{k}.json"
-        k += 1
+    path = dated_path(args.out, "peer_decode", report["date"])
 
     def save() -> None:  # after every cell: a run cut short keeps what it measured
         path.write_text(json.dumps(report, indent=1, default=str))

@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import dated_path  # noqa: E402
+
 from dsv41 import load_config
 from dsv41.model.transformer import Transformer
 from dsv41.optim import build_optimizer
@@ -97,12 +100,7 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{p} {n}" for p, n in phases.items()))
     for site, n in list(result["sites"].items())[:12]:
         print(f"  {n:6d}  {site}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"train_launches-{result['date']}.json"
-    k = 2
-    while path.exists():
-        path = args.out / f"train_launches-{result['date']}-{k}.json"
-        k += 1
+    path = dated_path(args.out, "train_launches", result["date"])
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
     return 0

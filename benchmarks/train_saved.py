@@ -27,6 +27,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import dated_path  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
 GATHER_SITE = "model/sparse_attention.py"  # the CPU twin's gathered rows (the CUDA path does not save them)
 
@@ -108,10 +111,8 @@ def main(argv: list[str] | None = None) -> int:
               "dsv41": report(*census(ours, params, "src/dsv41/"), n_tok, args.top)}
     if not args.no_peer:
         try:
-            from transformers import LlamaForCausalLM
-
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
             from peer_decode import peer_config
+            from transformers import LlamaForCausalLM
         except ImportError:
             result["peer"] = None
             print("train_saved: transformers is not installed; the peer is skipped")
@@ -133,12 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {mib:9.1f} MiB  {site}")
     if result.get("peer"):
         print(f"peer: {result['peer']['saved_kib_per_token']:.1f} KiB/token; ratio {result['saved_ratio']:.2f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"train_saved-{result['date']}.json"
-    k = 2
-    while path.exists():
-        path = args.out / f"train_saved-{result['date']}-{k}.json"
-        k += 1
+    path = dated_path(args.out, "train_saved", result["date"])
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
