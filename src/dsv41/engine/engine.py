@@ -8,7 +8,10 @@ The engine speaks token ids (tokenization happens at the edges). `generate` is t
   2. prefill pieces (encoder chunks, decoder bounded replay, each through some of its layers) of
      sequences still prefilling and of newly admitted ones, within the step's token budget and, while
      streams decode, its layer budget (`prefill_layers`: the eager prefill work a step may carry;
-     `engine/prefill.py: PrefillJob`);
+     `engine/prefill.py: PrefillJob`). Pieces of different sequences with one key (same kind, tokens and
+     layers: the prompts of equal length that arrive together, an RL prompt group, an evaluation set) run
+     as one batched forward (`PrefillJob.step_batch`) and count once against the layer budget — a prefill
+     costs its eager forward's host time whatever its rows, so N short prompts no longer cost N forwards;
   3. sampling, stop checks, and the end of finished requests (prefix cache save, pages freed). When a
      step carries prefill pieces, the decode batch's tokens are sampled on the device and copied to the
      host without a wait, the pieces are launched (their host work runs while the device still decodes:
@@ -81,6 +84,7 @@ class EngineStats:
     prefill_pieces: int = 0
     prefill_tokens: int = 0
     prefill_layer_passes: int = 0  # Σ over pieces of the layers each ran
+    prefill_forwards: int = 0  # host-driven prefill forwards (a batched group of pieces is one)
     preemptions: int = 0
     failures: int = 0
     speculative: SpeculativeStats | None = None  # acceptance counters and histogram when speculating
@@ -105,7 +109,7 @@ class Engine:
                  prefix_cache: PrefixCache | None = None, max_seq_len: int | None = None,
                  max_tokens: int | None = None, cuda_graphs: bool | None = None, graph_min_entries: int = 1024,
                  page_rows: int = PAGE_ROWS, drafter: Drafter | None = None, step_time: StepTimeCurve | None = None,
-                 speculate: str = "auto"):
+                 speculate: str = "auto", batch_prefill: bool = True):
         """max_seq_len bounds one sequence (default: the config's); max_tokens sizes the global-KV
         pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
         max_seq_len); token_budget = tokens per step (default prefill_chunk + max_batch); prefill_layers =
@@ -116,7 +120,8 @@ class Engine:
         step_time: its step-time curve (default: profiled here on the static steps, `profile_step_time`);
         speculate: "auto" — a step decodes plainly when the measured speculative steps at this batch size
         emit fewer tokens per second than plain ones (`CostModel`; the drafter catches up on those
-        tokens later) — or "always"."""
+        tokens later) — or "always". batch_prefill: prefill pieces with one key share a forward (and the
+        layer budget; not with a drafter); False runs every piece alone (the comparison)."""
         if speculate not in ("auto", "always"):
             raise ValueError(f"speculate must be 'auto' or 'always', got {speculate!r}")
         self.model = model.eval()
@@ -171,8 +176,10 @@ class Engine:
             warm_up = getattr(drafter, "warm_up", None)
             if warm_up is not None:  # the drafter's graphs of every bucket now, not mid-run (DSparkDrafter.warm_up)
                 warm_up(self.buckets)
+        self.batch_prefill = batch_prefill and drafter is None  # a drafter's jobs capture features: run alone
         self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch,
-                                   decode_tokens=decode_tokens, prefill_layers=prefill_layers)
+                                   decode_tokens=decode_tokens, prefill_layers=prefill_layers,
+                                   batch_pieces=batch_prefill)
         self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
         self._ids = itertools.count()
         self._drafting: set[int] = set()  # ids of the sequences the drafter has started
@@ -276,35 +283,78 @@ class Engine:
         return wait
 
     def _run_pieces(self, pieces: list, outputs: list[StepOutput]) -> None:
-        """The scheduled prefill pieces, each through its job; their outputs (a finished prompt's first token,
-        a failure) into `outputs`."""
+        """The scheduled prefill pieces, each through its job — those of sequences whose pieces this step have
+        the same keys as one batched forward per piece (`PrefillJob.step_batch`), at the place of the first
+        sequence; their outputs (a finished prompt's first token, a failure) into `outputs`."""
+        if self.drafter is not None:
+            for seq, _ in pieces:
+                if seq.job is not None and not seq.job.capture_layers:
+                    seq.job.capture_layers = tuple(self.drafter.features_wanted())
+                    seq.job.capture_at = getattr(self.drafter, "features_at", "output")
+        own: dict[int, list] = {}  # seq id → its pieces this step (scheduled one after the other)
+        seqs_in_order: list[Sequence] = []
         for seq, piece in pieces:
-            if seq.job is None:  # an earlier piece of this step failed
-                continue
-            t0 = time.perf_counter()
-            if self.drafter is not None and not seq.job.capture_layers:
-                seq.job.capture_layers = tuple(self.drafter.features_wanted())
-                seq.job.capture_at = getattr(self.drafter, "features_at", "output")
-            try:
-                logits = seq.job.step(piece.tokens, piece.layers)
-            except Exception as err:  # noqa: BLE001 - one request's failure must not stop the batch
-                log.exception("prefill of request %d failed", seq.id)
-                outputs.append(self._fail(seq, f"prefill failed: {err}"))
-                continue
-            seq.prefill_ms += (time.perf_counter() - t0) * 1e3
+            if seq.id not in own:
+                own[seq.id] = []
+                seqs_in_order.append(seq)
+            own[seq.id].append(piece)
+        groups: list[list[Sequence]] = []
+        by_keys: dict[tuple, list[Sequence]] = {}
+        for seq in seqs_in_order:
+            if self.batch_prefill and seq.job is not None and seq.job.batchable:
+                keys = tuple(p.key for p in own[seq.id])
+                if keys not in by_keys:
+                    by_keys[keys] = []
+                    groups.append(by_keys[keys])
+                by_keys[keys].append(seq)
+            else:
+                groups.append([seq])
+        for group in groups:
+            for j, piece in enumerate(own[group[0].id]):
+                live = [seq for seq in group if seq.job is not None]  # not failed nor finished earlier
+                if len(live) > 1 and not all(seq.job.batchable for seq in live):
+                    for seq in live:
+                        self._run_group([seq], piece, outputs)
+                elif live:
+                    self._run_group(live, piece, outputs)
+
+    def _run_group(self, seqs: list[Sequence], piece, outputs: list[StepOutput]) -> None:
+        """One prefill piece of every sequence in `seqs` (one key) as one forward."""
+        t0 = time.perf_counter()
+        try:
+            if len(seqs) == 1:
+                results = [seqs[0].job.step(piece.tokens, piece.layers)]
+            else:
+                results = PrefillJob.step_batch([seq.job for seq in seqs], piece.tokens, piece.layers)
+        except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others' decode
+            log.exception("prefill of request(s) %s failed", [seq.id for seq in seqs])
+            outputs.extend(self._fail(seq, f"prefill failed: {err}") for seq in seqs)
+            return
+        self.stats.prefill_forwards += 1
+        ms = (time.perf_counter() - t0) * 1e3 / len(seqs)
+        finished, rows = [], []
+        for seq, logits in zip(seqs, results):
+            seq.prefill_ms += ms
             self.stats.prefill_pieces += 1
             self.stats.prefill_tokens += piece.tokens if piece.new else 0
             self.stats.prefill_layer_passes += piece.layers
             if logits is not None:
-                features, seq.job = seq.job.features, None
-                if self.prefix_cache is not None and not seq.exact_prefill:
-                    self.prefix_cache.save(seq.cache, ends=[len(seq.prompt)], namespace=seq.namespace)
-                if self.drafter is not None:
-                    self.drafter.start(seq.id)
-                    self._drafting.add(seq.id)
-                    self.drafter.observe(seq.id, torch.tensor(seq.cache.tokens, device=self.device), features)
-                    self._drafter_seen[seq.id] = seq.cache.n_tokens
-                outputs.extend(self._emit([seq], logits.unsqueeze(0)))
+                self._prefilled(seq)
+                finished.append(seq)
+                rows.append(logits)
+        if finished:
+            outputs.extend(self._emit(finished, torch.stack(rows)))
+
+    def _prefilled(self, seq: Sequence) -> None:
+        """A prompt's prefill has finished: store its prefix, start its drafter."""
+        features, seq.job = seq.job.features, None
+        if self.prefix_cache is not None and not seq.exact_prefill:
+            self.prefix_cache.save(seq.cache, ends=[len(seq.prompt)], namespace=seq.namespace)
+        if self.drafter is not None:
+            self.drafter.start(seq.id)
+            self._drafting.add(seq.id)
+            self.drafter.observe(seq.id, torch.tensor(seq.cache.tokens, device=self.device), features)
+            self._drafter_seen[seq.id] = seq.cache.n_tokens
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is (client gone): nothing is persisted, its cache is freed."""

@@ -91,6 +91,13 @@ class Piece:
     layers: int
     new: bool
     kind: str
+    first: int = 0  # the first layer it runs
+
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        """Pieces of different sequences with one key can run as one batched forward (`PrefillJob.step_batch`):
+        the same kind, tokens and layers."""
+        return self.kind, self.tokens, self.first, self.layers
 
     @property
     def grows(self) -> int:
@@ -198,6 +205,7 @@ class PrefillJob:
         layer_left = float("inf") if layers is None else layers
         cur, run = self.cursor, self.run
         kind, T, left = (run.kind, run.hi - run.lo, run.layers_left) if run is not None else ("", 0, 0)
+        at = run.next_layer if run is not None else 0  # the next piece's first layer
         new = False
         while not self.done and layer_left > 0:
             if left == 0:  # start the next run
@@ -208,6 +216,7 @@ class PrefillJob:
                     if not (T <= budget or (alone and not pieces)):
                         break
                     kind, left = "decoder", self.runner.config.n_layers - self.runner.config.encoder_layers
+                    at = self.runner.config.encoder_layers
                 else:
                     T = min(self.n_total - cur, self.chunk, budget)
                     if cur < self.start0:
@@ -215,11 +224,12 @@ class PrefillJob:
                     if T <= 0:
                         break
                     kind = "exact" if self.exact else "replayed" if cur < self.start0 else "encoder"
-                    left, cur = len(self.layers), cur + T
+                    left, cur, at = len(self.layers), cur + T, self.layers.start
                 budget -= T
                 new = True
             k = int(min(left, layer_left))
-            pieces.append(Piece(T, k, new, kind))
+            pieces.append(Piece(T, k, new, kind, at))
+            at += k
             left -= k
             layer_left -= k
             new = False
@@ -267,6 +277,73 @@ class PrefillJob:
             return None
         self.run = None
         return self._finish(run)
+
+    @property
+    def batchable(self) -> bool:
+        """The next piece may share a forward with other sequences' (`step_batch`): a text prompt (no images),
+        no captured features, an encoder / exact chunk without encoder replay, or a decoder replay that starts
+        its windows afresh."""
+        if self.done or self.images is not None or self.capture_layers:
+            return False
+        if self.run is not None:
+            kind, lo = self.run.kind, self.run.lo
+        elif self.decoder_pending:
+            kind, lo = "decoder", self.n_total - self._n_replay()
+        else:
+            kind, lo = ("exact" if self.exact else "encoder"), self.cursor
+            if self.replay_start is not None or lo < self.start0:
+                return False  # encoder replay after a prefix hit: window KV only, its own truncation
+        return kind != "decoder" or not (self.continue_windows and lo == self.start0)
+
+    @staticmethod
+    @torch.no_grad()
+    def step_batch(jobs: list[PrefillJob], n: int, layers: int) -> list[Tensor | None]:
+        """`job.step(n, layers)` of every job, as one forward over their sequences (row b = jobs[b]): what
+        each gets (its logits after its final piece, None before) and leaves behind equals `step` alone.
+        Every job must be `batchable` with one next piece `key` (same kind, tokens, first layer, layers)."""
+        if not jobs:
+            return []
+        keys = set()
+        for job in jobs:
+            if not job.batchable:
+                raise ValueError("PrefillJob.step_batch: a job's next piece cannot be batched (see `batchable`)")
+            planned = job.plan(n, alone=True, layers=layers)
+            keys.add(planned[0].key if planned else None)
+        if len(keys) != 1 or None in keys:
+            raise ValueError(f"PrefillJob.step_batch: the jobs' next pieces differ: {sorted(map(str, keys))}")
+        runner = jobs[0].runner
+        runs = []
+        for job in jobs:
+            if job.run is None:
+                job.run = job._start(n)
+            runs.append(job.run)
+        first_run = runs[0]
+        k = min(int(layers), first_run.layers_left)
+        piece = range(first_run.next_layer, first_run.next_layer + k)
+        seqs = [job.seq for job in jobs]
+        ids = torch.cat([r.ids_t for r in runs])  # (B, T)
+        starts = [r.lo for r in runs]
+        carry = _stack_carries([r.carry for r in runs])
+        if first_run.kind == "decoder":
+            h = pre = None
+            if carry.h is None:  # the replay's first piece starts from the encoder outputs
+                T = first_run.hi - first_run.lo
+                h = torch.cat([job.tail_h[:, -T:] for job in jobs])
+                pre = torch.cat([job.tail_pre[:, -T:] for job in jobs])
+            runner.forward(seqs, ids, starts, piece, h, pre, replay_start=to_device(starts, seqs[0].device),
+                           compress=False, carry=carry)
+        else:
+            runner.forward(seqs, ids, starts, piece, compress=True, carry=carry)
+        out: list[Tensor | None] = []
+        for b, (job, run) in enumerate(zip(jobs, runs)):
+            run.carry = _carry_row(carry, b)
+            run.next_layer += k
+            if run.layers_left:
+                out.append(None)
+            else:
+                job.run = None
+                out.append(job._finish(run))
+        return out
 
     def _start(self, n: int | None) -> _Run:
         """The next run: the decoder replay once the encoder pass is done, else a chunk of n tokens."""
@@ -339,6 +416,27 @@ class PrefillJob:
         W = self.runner.config.window_size
         self.tail_h = h[:, -W:] if self.tail_h is None else torch.cat((self.tail_h, h), dim=1)[:, -W:]
         self.tail_pre = pre_mix[:, -W:] if self.tail_pre is None else torch.cat((self.tail_pre, pre_mix), dim=1)[:, -W:]
+
+
+def _stack_carries(carries: list[Carry]) -> Carry:
+    """One Carry for a batch of runs at the same layer (every field concatenated along the batch)."""
+    def cat(values):
+        return None if values[0] is None else torch.cat(values)
+
+    entry = None
+    if carries[0].entry is not None:
+        entry = (cat([c.entry[0] for c in carries]), cat([c.entry[1] for c in carries]))
+    return Carry(carries[0].stop, cat([c.h for c in carries]), cat([c.pre_mix for c in carries]), entry,
+                 cat([c.topk for c in carries]), cat([c.blocks for c in carries]))
+
+
+def _carry_row(carry: Carry, b: int) -> Carry:
+    """Row b of a batched Carry, as the Carry of a run of its own."""
+    def row(t):
+        return None if t is None else t[b:b + 1]
+
+    entry = None if carry.entry is None else (row(carry.entry[0]), row(carry.entry[1]))
+    return Carry(carry.stop, row(carry.h), row(carry.pre_mix), entry, row(carry.topk), row(carry.blocks))
 
 
 def prefill(runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,

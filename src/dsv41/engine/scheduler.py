@@ -13,7 +13,10 @@ pieces stay on the prefill job). Eager prefill costs about a fixed host time per
 token·layer, so a step's prefill work is bounded by `prefill_layers` × (per-layer cost + token_budget ×
 per-token·layer cost) whatever the chunk or the prompt. A chunk's tokens count against the token budget
 in the step its first piece runs; its later pieces cost layers only. A step without decode rows runs its
-pieces whole (no stream waits on it).
+pieces whole (no stream waits on it). With `batch_pieces`, a sequence whose next piece has the key of a
+piece already scheduled this step (same kind, tokens, first layer and layers; `Piece.key`) rides along:
+the engine runs the two as one batched forward, so the rider costs its tokens but no layer budget — the
+step's host time is that of its forwards, not of its rows.
 
 Memory: the engine's pools are fixed. A decode token that needs a page when none is free
 preempts the most recently admitted running sequence (its cache is swapped to the host; it
@@ -61,14 +64,16 @@ class ScheduledBatch:
     prefill: list[tuple[Sequence, Piece]] = field(default_factory=list)  # (sequence, its next piece), in order
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-
+    riders: list[Sequence] = field(default_factory=list)  # their piece shares the forward of an earlier one
     @property
     def n_tokens(self) -> int:
         return len(self.decode) + sum(p.tokens for _, p in self.prefill if p.new)
 
     @property
     def n_layer_passes(self) -> int:
-        return sum(p.layers for _, p in self.prefill)
+        """Layer passes of the step's prefill forwards (a rider's piece runs in an earlier piece's forward)."""
+        riders = {id(s) for s in self.riders}
+        return sum(p.layers for s, p in self.prefill if id(s) not in riders)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -76,7 +81,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, capacity: Capacity, *, max_batch: int = 64, token_budget: int = 2048, decode_tokens: int = 1,
-                 prefill_layers: int | None = None):
+                 prefill_layers: int | None = None, batch_pieces: bool = False):
         if max_batch < 1 or token_budget < 1 or decode_tokens < 1:
             raise ValueError(f"max_batch, token_budget and decode_tokens must be >= 1, got {max_batch}, "
                              f"{token_budget}, {decode_tokens}")
@@ -86,6 +91,8 @@ class Scheduler:
         self.max_batch, self.token_budget = max_batch, token_budget
         self.prefill_layers = prefill_layers  # layer passes of prefill per step while sequences decode
         self.decode_tokens = decode_tokens  # positions a decode row may run this step (k + 1 when speculating)
+        self.batch_pieces = batch_pieces  # pieces with one key share a forward and its layer budget
+        self._keys: set[tuple] = set()  # keys of this step's pieces that a rider may join
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
 
@@ -106,6 +113,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the policy
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
+        self._keys = set()
         budget = self.token_budget
         plan = _Pages(self.capacity)
         # 1. one decode token for every running sequence past its prefill; make room by preempting
@@ -126,7 +134,7 @@ class Scheduler:
         # 2. the next pieces of every sequence still prefilling, oldest first (a run in progress
         #    continues whatever the token budget: its tokens were counted when it started)
         for seq in self.running:
-            if seq.prefilling and (budget > 0 or seq.job.in_progress) and (layers is None or layers > 0):
+            if seq.prefilling and (budget > 0 or seq.job.in_progress) and (layers is None or layers > 0 or self._keys):
                 budget, layers = self._piece(seq, budget, layers, out, plan)
         # 3. admit from the queue (FIFO, no overtaking) while the budget and the batch have room, and
         #    the head's whole prompt fits beside what the running prefills still need
@@ -154,12 +162,29 @@ class Scheduler:
                plan: _Pages) -> tuple[int, int | None]:
         """Schedule the prefill pieces of `seq` that fit in the token and layer budgets; returns what is
         left of both. Pages are claimed for every chunk a piece belongs to (taken by its Full layers)."""
-        pieces = seq.job.plan(budget, alone=not out, layers=layers)
+        rider = self._ride(seq, budget) if layers is not None else None
+        pieces = rider or seq.job.plan(budget, alone=not out, layers=layers)
         while pieces and not plan.claim(seq, self.capacity.pages_to_grow(seq, sum(p.grows for p in pieces))):
             pieces.pop()  # waits for pages (a later step, or after a finish frees some)
         out.prefill.extend((seq, p) for p in pieces)
         budget -= sum(p.tokens for p in pieces if p.new)
+        if rider and pieces:
+            out.riders.append(seq)
+            return budget, layers
+        if self.batch_pieces and len(pieces) == 1 and seq.job.batchable:
+            self._keys.add(pieces[0].key)
         return budget, None if layers is None else layers - sum(p.layers for p in pieces)
+
+    def _ride(self, seq: Sequence, budget: int) -> list[Piece] | None:
+        """seq's next piece when it can join the forward of a piece already scheduled this step (one key,
+        `batch_pieces`), else None."""
+        if not (self.batch_pieces and self._keys and seq.job.batchable):
+            return None
+        for n_layers in sorted({key[3] for key in self._keys}, reverse=True):
+            pieces = seq.job.plan(budget, alone=False, layers=n_layers)
+            if len(pieces) == 1 and pieces[0].key in self._keys:
+                return pieces
+        return None
 
     def _preempt(self, seq: Sequence, out: ScheduledBatch, plan: _Pages) -> None:
         self.capacity.preempt(seq)
