@@ -48,21 +48,23 @@ def test_batched_evaluation_equals_one_request_at_a_time(tok, model):
 
 def test_before_is_reused_only_for_the_same_evaluation(tok, tmp_path, monkeypatch):
     held = generate(("add",), 3, 2, seed=1)
-    args = type("A", (), {"efforts": [25, 100], "max_tokens": 8})()
+    args = type("A", (), {"efforts": [25, 100], "max_tokens": 8, "dtype": "fp32"})()
     calls = []
     monkeypatch.setattr(post_cli, "_evaluate", lambda *a: calls.append(1) or {25: {"accuracy": 0.0}})
     table = {"25": {"accuracy": 0.5, "reasoning_tokens": 3.0, "n": 3}}
     (tmp_path / "eval.json").write_text(json.dumps({"after": table, "eval_key": post_cli._eval_key(held, args)}))
     assert post_cli._evaluate_checkpoint(None, tok, held, args, tmp_path) == {25: table["25"]} and not calls
-    other = type("A", (), {"efforts": [25, 100], "max_tokens": 9})()  # another token limit: evaluate again
+    other = type("A", (), {"efforts": [25, 100], "max_tokens": 9, "dtype": "fp32"})()  # another token limit
     assert post_cli._evaluate_checkpoint(None, tok, held, other, tmp_path) == {25: {"accuracy": 0.0}}
+    bf16 = type("A", (), {"efforts": [25, 100], "max_tokens": 8, "dtype": "bf16"})()  # another engine dtype
+    assert post_cli._evaluate_checkpoint(None, tok, held, bf16, tmp_path) == {25: {"accuracy": 0.0}}
     assert post_cli._evaluate_checkpoint(None, tok, held[:2], args, tmp_path) == {25: {"accuracy": 0.0}}
     (tmp_path / "eval.json").write_text("{not json")
     assert post_cli._evaluate_checkpoint(None, tok, held, args, tmp_path) == {25: {"accuracy": 0.0}}
     (tmp_path / "eval.json").write_text("[1, 2]")  # JSON, but not a stage's record
     assert post_cli._evaluate_checkpoint(None, tok, held, args, tmp_path) == {25: {"accuracy": 0.0}}
     assert post_cli._evaluate_checkpoint(None, tok, held, args, None) == {25: {"accuracy": 0.0}}
-    assert len(calls) == 5
+    assert len(calls) == 6
 
 
 @pytest.mark.parametrize("attention", ["sparse", "dense"])

@@ -47,6 +47,9 @@ def _common(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
                                                  "(e.g. a larger teacher trained from scratch)")
     p.add_argument("--out", type=Path, required=True, help="output directory (checkpoint, metrics.jsonl, eval.json)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="bf16: training under bf16 autocast (fp32 master weights), rollouts and evaluation on a "
+                        "bf16 copy; fp32: everything fp32; auto (default): bf16 on CUDA, fp32 elsewhere")
     p.add_argument("--steps", type=_positive, default=steps, help=f"optimizer steps (default {steps})")
     p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
     p.add_argument("--families", default="add,mul,sort,copy", help="task families (comma-separated)")
@@ -74,7 +77,7 @@ def _loop_args(p: argparse.ArgumentParser) -> None:
 def _setup(args: argparse.Namespace):
     import torch
 
-    from dsv41.posttrain.common import load_policy, resolve_device
+    from dsv41.posttrain.common import load_policy, resolve_device, resolve_dtype
     from dsv41.posttrain.tasks import FAMILIES, generate
 
     families = [f for f in args.families.split(",") if f]
@@ -95,6 +98,7 @@ def _setup(args: argparse.Namespace):
         raise ConfigError(f"--max-seconds must be >= 0, got {args.max_seconds}")
     digits = lo_hi[0] if len(lo_hi) == 1 else (lo_hi[0], lo_hi[1])
     device = resolve_device(args.device)
+    args.dtype = resolve_dtype(args.dtype, device)  # what later stages and eval_key see: "bf16" or "fp32"
     torch.manual_seed(args.seed)
     if args.config is not None and not args.config.is_file():
         raise ConfigError(f"config file '{args.config}' not found")
@@ -121,12 +125,14 @@ def _evaluate(model, tok, held, args) -> dict[int, dict[str, float]]:
 
     if not held:
         return {}
-    return evaluate(model, tok, held, args.efforts, args.max_tokens)
+    return evaluate(model, tok, held, args.efforts, args.max_tokens, dtype=args.dtype)
 
 
 def _eval_key(held, args) -> str:
-    """What an evaluation depends on besides the weights: the held-out problems, the efforts, the token limit."""
-    text = json.dumps([[p.question for p in held], sorted(args.efforts), args.max_tokens])
+    """What an evaluation depends on besides the weights: the held-out problems, the efforts, the token limit and
+    the engine's dtype."""
+    text = json.dumps([[p.question for p in held], sorted(args.efforts), args.max_tokens]
+                      + ([args.dtype] if args.dtype != "fp32" else []))  # fp32 keys stay those of earlier runs
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -186,7 +192,7 @@ class _SFT:
         model, tok, train, held = _setup(args)
         before = _evaluate(model, tok, held, args)
         cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, efforts=args.efforts, seed=args.seed,
-                        max_seconds=args.max_seconds)
+                        max_seconds=args.max_seconds, dtype=args.dtype)
         losses = train_sft(model, tok, train, cfg, Metrics(args.out / "metrics.jsonl"))
         return _finish(args, model, tok, held, before, {"final_loss": losses[-1], "steps": len(losses)})
 
@@ -237,7 +243,8 @@ def _loop_config(args, **kw):
                       samples_per_effort=args.samples_per_effort, efforts=tuple(args.efforts),
                       max_tokens=args.max_tokens, temperature=args.temperature, lr=args.lr, dispatch=args.dispatch,
                       max_in_flight=args.max_in_flight, max_staleness=args.max_staleness,
-                      max_offpolicy=args.max_offpolicy, seed=args.seed, max_seconds=args.max_seconds, **kw)
+                      max_offpolicy=args.max_offpolicy, seed=args.seed, max_seconds=args.max_seconds,
+                      dtype=args.dtype, **kw)
 
 
 # ---------------------------------------------------------------------- opd

@@ -24,7 +24,7 @@ import torch
 
 from dsv41.engine.engine import Engine
 from dsv41.model.transformer import Transformer
-from dsv41.posttrain.common import Metrics, clone_model, optimizer_for, set_lr
+from dsv41.posttrain.common import Metrics, autocast, engine_copy, optimizer_for, set_lr
 from dsv41.posttrain.grpo import ClipConfig, EffortReward, grpo_loss, subgroup_advantages, token_logprobs
 from dsv41.posttrain.opd import Teachers
 from dsv41.posttrain.rollout import (
@@ -63,6 +63,7 @@ class LoopConfig:
     reward: EffortReward = field(default_factory=EffortReward)
     seed: int = 0
     max_seconds: float = 0.0  # stop after this many seconds (0 = no limit); an update in progress finishes
+    dtype: str = "fp32"  # "bf16": bf16 rollout engine, training forward under bf16 autocast (fp32 master weights)
 
 
 StepFn = Callable[[list[Sample], int], dict[str, Any]]
@@ -89,7 +90,7 @@ class AsyncLoop:
         # CUDA graphs stay on (the default on CUDA): routing recording is capturable
         kwargs = dict(max_batch=cap, max_seq_len=min(policy.config.max_seq_len, 1024))
         kwargs.update(engine_kwargs or {})
-        self.engine = Engine(clone_model(policy), **kwargs)
+        self.engine = Engine(engine_copy(policy, cfg.dtype), **kwargs)
         self.max_tokens_fn = max_tokens_fn
         self.rollouts = Rollouts(self.engine, stop_ids=stop_ids, temperature=cfg.temperature,
                                  record_routing=cfg.routing_replay)
@@ -233,7 +234,8 @@ def grpo_step(policy: Transformer, tok: Tok, cfg: LoopConfig) -> StepFn:
         tokens, targets = batch.tokens.to(device), batch.targets.to(device)
         mask, behaviour = batch.mask.to(device), batch.logp_behaviour.to(device)
         policy.train()
-        with replay_routing(policy, batch.routing if cfg.routing_replay else None, tokens.size(1)):
+        with replay_routing(policy, batch.routing if cfg.routing_replay else None, tokens.size(1)), \
+                autocast(device, cfg.dtype):
             logp = token_logprobs(policy(tokens, attention="sparse"), targets)
         loss, clip_stats = grpo_loss(logp, behaviour, adv, mask, cfg.clip)
         norm = _update(loss, params, optimizer, cfg.grad_clip, signal=bool((adv != 0).any() and mask.any()))
@@ -254,9 +256,10 @@ def opd_step(student: Transformer, tok: Tok, cfg: LoopConfig, teachers: Teachers
         batch = training_batch(samples, version, cfg.max_staleness)
         tokens, mask = batch.tokens.to(device), batch.mask.to(device)
         student.train()
-        with replay_routing(student, batch.routing if cfg.routing_replay else None, tokens.size(1)):
+        with replay_routing(student, batch.routing if cfg.routing_replay else None, tokens.size(1)), \
+                autocast(device, cfg.dtype):
             logits = student(tokens, attention="sparse")
-        loss = teachers.loss(logits, tokens, mask, [s.group.dataset for s in samples])
+            loss = teachers.loss(logits, tokens, mask, [s.group.dataset for s in samples])
         norm = _update(loss, params, optimizer, cfg.grad_clip, signal=bool(mask.any()))
         return {"loss": float(loss.detach()), "reverse_kl": float(loss.detach()), "grad_norm": float(norm), "lr": lr,
                 "teacher_config": teachers.version,

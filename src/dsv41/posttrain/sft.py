@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dsv41.model.transformer import Transformer
-from dsv41.posttrain.common import Metrics, optimizer_for, set_lr
+from dsv41.posttrain.common import Metrics, autocast, optimizer_for, set_lr
 from dsv41.posttrain.tasks import Problem, sft_example
 from dsv41.train.tokenizer import PAD_ID, Tok
 
@@ -33,6 +33,7 @@ class SFTConfig:
     seed: int = 0
     max_seconds: float = 0.0  # stop after this many seconds of training (0 = no limit); whole steps only
     pad_multiple: int = 32  # lengths rounded up to a multiple: few shapes (Triton / Inductor compile per shape)
+    dtype: str = "fp32"  # "bf16": the forward under bf16 autocast (weights and optimizer state stay fp32)
 
 
 def sft_batch(tok: Tok, problems: list[Problem], efforts: list[int], pad_multiple: int = 1) -> dict[str, Tensor]:
@@ -77,8 +78,9 @@ def train_sft(model: Transformer, tok: Tok, problems: list[Problem], cfg: SFTCon
         efforts = [rng.choice(cfg.efforts) for _ in chosen]
         batch = {k: v.to(device) for k, v in sft_batch(tok, chosen, efforts, cfg.pad_multiple).items()}
         real = batch["tokens"] != PAD_ID
-        out = model.losses(batch["tokens"], batch["targets"], loss_mask=batch["loss_mask"], token_mask=real,
-                           attention="sparse")
+        with autocast(device, cfg.dtype):
+            out = model.losses(batch["tokens"], batch["targets"], loss_mask=batch["loss_mask"], token_mask=real,
+                               attention="sparse")
         out.total.backward()
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
