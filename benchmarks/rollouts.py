@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from dsv41.posttrain.common import autocast, load_policy, optimizer_for, resolve_device, resolve_dtype
+from dsv41.config import resolve_dtype
+from dsv41.posttrain.common import autocast, load_policy, optimizer_for, resolve_device
 from dsv41.posttrain.grpo import token_logprobs
 from dsv41.posttrain.loop import AsyncLoop, LoopConfig
 from dsv41.posttrain.rollout import replay_routing, training_batch
@@ -127,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: {r['samples_per_s']:.2f} samples/s, {r['engine_steps']} engine steps "
               f"({r['ms_per_engine_step']:.1f} ms each), {r['wall_s']:.1f} s", flush=True)
         path = write_report(args, device, results)
-    base = next((r for r in results if r["mode"] == "batch"), results[0])
     print(f"{'mode':>7s} {'samples/s':>10s} {'vs batch':>9s} {'engine steps':>13s} {'in flight':>10s} {'train %':>8s}")
     for r in results:
         print(f"{r['mode']:>7s} {r['samples_per_s']:10.2f} {r['ratio_vs_batch']:9.2f} {r['engine_steps']:13d} "

@@ -23,6 +23,18 @@ class ConfigError(ValueError):
     """A malformed preset or config.json; the message names the offending field."""
 
 
+DTYPES = ("auto", "bf16", "fp32")  # the --dtype of the commands that run the model (generate, serve, post-training)
+
+
+def resolve_dtype(name: str, device) -> str:
+    """"auto" → "bf16" on CUDA, "fp32" elsewhere; "bf16" / "fp32" as given (a ConfigError otherwise)."""
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype '{name}' (dtypes: {', '.join(DTYPES)})")
+    if name == "auto":
+        return "bf16" if str(getattr(device, "type", device)).startswith("cuda") else "fp32"
+    return name
+
+
 @dataclass
 class ModelConfig:
     # --- runtime limits (the reference sizes its caches with these; we size RoPE tables) ---

@@ -91,7 +91,11 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 def model_identity(model: torch.nn.Module, tok=None) -> str:
-    """One hex string naming weights + tokenizer + config: what the prefix cache salts every key with."""
+    """One hex string naming weights + tokenizer + config (+ the weights' dtypes when not all fp32: a bf16 engine
+    computes other KV from the same checkpoint): what the prefix cache salts every key with."""
     parts = {"weights": weights_fingerprint(model), "config": model.config.to_dict(),
              "tokenizer": tokenizer_fingerprint(tok) if tok is not None else None}
+    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point()})
+    if dtypes != ["torch.float32"]:  # fp32 identities stay what they were
+        parts["dtypes"] = dtypes
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from dsv41 import load_config
-from dsv41.config import ConfigError
+from dsv41.config import ConfigError, resolve_dtype
 from dsv41.model.transformer import Transformer
 from dsv41.posttrain import common
-from dsv41.posttrain.common import engine_copy, resolve_dtype
+from dsv41.posttrain.common import engine_copy
 from dsv41.posttrain.grpo import EffortReward
 from dsv41.posttrain.loop import AsyncLoop, LoopConfig, grpo_step, opd_step
 from dsv41.posttrain.opd import Teachers
@@ -61,7 +61,8 @@ class LinearDtypes:
 def test_auto_is_bf16_on_cuda_only():
     assert resolve_dtype("auto", torch.device("cpu")) == "fp32"
     assert resolve_dtype("auto", torch.device("cuda")) == "bf16"
-    assert resolve_dtype("bf16", torch.device("cpu")) == "bf16" and resolve_dtype("fp32", torch.device("cuda")) == "fp32"
+    assert resolve_dtype("bf16", torch.device("cpu")) == "bf16"
+    assert resolve_dtype("fp32", torch.device("cuda")) == "fp32"
     with pytest.raises(ConfigError, match="unknown dtype"):
         resolve_dtype("fp16", torch.device("cpu"))
 

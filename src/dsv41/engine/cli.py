@@ -55,6 +55,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--exact-prefill", action="store_true", help="run every layer over every prompt token")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="weights and activations: auto (default) = bf16 on CUDA (the head, routers and "
+                        "compressors stay fp32), fp32 elsewhere")
     p.add_argument("--speculative", choices=["off", "dspark", "oracle"], default="off",
                    help="speculative decoding: the checkpoint's DSpark drafter, or the model itself as an oracle "
                         "(a mechanism test); default off")
@@ -130,16 +133,22 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     """(model, tokenizer) from --checkpoint or --preset --random-init; raises ConfigError on misuse."""
     import torch
 
+    from dsv41.config import resolve_dtype
+    from dsv41.engine.engine import cast_for_engine
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = resolve_dtype(getattr(args, "dtype", "auto"), device) == "bf16"
     if args.checkpoint is not None:
-        return load_checkpoint_and_tokenizer(args.checkpoint, device, args.tokenizer)
-    if args.preset is not None and args.random_init:
+        model, tok = load_checkpoint_and_tokenizer(args.checkpoint, device, args.tokenizer)
+    elif args.preset is not None and args.random_init:
         from dsv41 import load_config
         from dsv41.model.transformer import Transformer
 
         model = Transformer(load_config(args.preset)).init_weights(seed=0).to(device)
-        return model, _tokenizer_for(model, args.tokenizer)
-    raise ConfigError("give --checkpoint DIR, or --preset NAME with --random-init")
+        tok = _tokenizer_for(model, args.tokenizer)
+    else:
+        raise ConfigError("give --checkpoint DIR, or --preset NAME with --random-init")
+    return (cast_for_engine(model, torch.bfloat16) if bf16 else model), tok
 
 
 IMAGE_TAG = "<image>"

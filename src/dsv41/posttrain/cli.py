@@ -77,7 +77,8 @@ def _loop_args(p: argparse.ArgumentParser) -> None:
 def _setup(args: argparse.Namespace):
     import torch
 
-    from dsv41.posttrain.common import load_policy, resolve_device, resolve_dtype
+    from dsv41.config import resolve_dtype
+    from dsv41.posttrain.common import load_policy, resolve_device
     from dsv41.posttrain.tasks import FAMILIES, generate
 
     families = [f for f in args.families.split(",") if f]

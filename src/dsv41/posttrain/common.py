@@ -7,8 +7,9 @@ tokenizer beside it, so the next stage, `dsv41 generate` and `dsv41 serve` read 
 greedy generation on the engine over held-out problems, per effort level (accuracy, mean reasoning length).
 Precision (`dtype`): "bf16" trains under bf16 autocast (master weights and optimizer state stay fp32, as the
 pretraining Trainer's dtype=bf16) and samples / evaluates on a bf16 copy of the model (as the engine
-benchmarks run); "fp32" keeps everything fp32; "auto" (the commands' default) is bf16 on CUDA and fp32 elsewhere. The 2026-12-04
-H200 run trained in fp32 with an fp32 rollout engine: SFT took 6 s per 256-row step.
+benchmarks and `dsv41 serve` run); "fp32" keeps everything fp32; "auto" (the commands' default) is bf16 on
+CUDA and fp32 elsewhere. The 2026-12-04 H200 run trained in fp32 with an fp32 rollout engine: SFT took 6 s per
+256-row step.
 """
 
 from __future__ import annotations
@@ -38,18 +39,6 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
-DTYPES = ("auto", "bf16", "fp32")
-
-
-def resolve_dtype(name: str, device: torch.device) -> str:
-    """"auto" → "bf16" on CUDA, "fp32" elsewhere; "bf16" / "fp32" as given."""
-    if name not in DTYPES:
-        raise ConfigError(f"unknown dtype '{name}' (dtypes: {', '.join(DTYPES)})")
-    if name == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    return name
-
-
 def autocast(device: torch.device, dtype: str):
     """The training forward's context: bf16 autocast for dtype "bf16", nothing for "fp32"."""
     if dtype == "bf16":
@@ -60,16 +49,10 @@ def autocast(device: torch.device, dtype: str):
 def engine_copy(model: Transformer, dtype: str = "fp32") -> Transformer:
     """The copy an engine samples from: `clone_model`, cast to bf16 for dtype "bf16" but for the weights the
     engine multiplies in fp32 (`engine.fp32_weights`: head, routers, compressors), which keep their values."""
-    from dsv41.engine.engine import fp32_weights
+    from dsv41.engine.engine import cast_for_engine
 
     copy = clone_model(model)
-    if dtype != "bf16":
-        return copy
-    kept = [(w, w.data) for w in fp32_weights(copy)]
-    copy.to(torch.bfloat16)
-    for w, data in kept:
-        w.data = data
-    return copy
+    return cast_for_engine(copy, torch.bfloat16) if dtype == "bf16" else copy
 
 
 def load_policy(checkpoint: str | Path | None, preset: str | Path | None, device: torch.device,
