@@ -9,7 +9,8 @@ Engram in both halves and a window of 8, exact and encoder-only prefill, with an
   * riders cost no layer budget: a group arriving beside decodes finishes its prefill in the steps one of
     them takes alone (without batching the last one waits for the others);
   * `step_batch` refuses jobs whose next pieces differ or cannot be batched, before touching any of them;
-  * a batched forward that fails ends its own requests with an error; the other requests finish unchanged.
+  * a batched forward that fails ends its own requests with an error; the other requests finish unchanged;
+  * follow-ups after prefix hits of different lengths batch (rows at different positions) and equal cold runs.
 """
 
 from __future__ import annotations
@@ -181,3 +182,30 @@ def test_the_layer_budget_riders_leave_goes_to_other_prompts(setup):
     assert shared, "no step ran the riders' group beside another prompt's piece"
     assert all(b.n_layer_passes <= 3 for b in batches if b.decode)
     assert all(s.error is None for s in seqs)
+
+
+def test_warm_prefix_hits_at_different_positions_batch_and_equal_cold_runs(tmp_path):
+    """Two conversations of different lengths, then both follow-ups (equal length) at once: their new tokens'
+    encoder chunks start at different positions after the hits (per-row starts, partial compressor groups,
+    Engram history) and run as one forward; each reply equals its cold run alone."""
+    from dsv41.engine.prefix import PrefixCache
+    from dsv41.engine.prefix_store import InProcessSWAPool, PersistentStore
+
+    torch.manual_seed(73)
+    model = engine_test_model(73, **CUSTOM)
+    V, W = model.config.vocab_size, model.config.window_size
+    firsts = [torch.randint(3, V, (n,)).tolist() for n in (3 * W + 5, 5 * W + 2)]
+    follow = [torch.randint(3, V, (W + 6,)).tolist() for _ in firsts]
+    cache = PrefixCache(model.config, PersistentStore(tmp_path), InProcessSWAPool())
+    engine = Engine(model, prefix_cache=cache, max_batch=4)
+    outs = engine.generate(firsts, max_tokens=5)
+    turns = [f + o + u for f, o, u in zip(firsts, outs, follow)]
+    before = engine.stats.prefill_forwards, engine.stats.prefill_pieces
+    reqs = [engine.add_request(t, SamplingParams(max_tokens=8)) for t in turns]
+    while not all(r.finished for r in reqs):
+        engine.step()
+    forwards, pieces = engine.stats.prefill_forwards - before[0], engine.stats.prefill_pieces - before[1]
+    assert all(r.cached_tokens > 0 for r in reqs) and reqs[0].cached_tokens != reqs[1].cached_tokens
+    assert forwards < pieces, (forwards, pieces)
+    for r, turn in zip(reqs, turns):
+        assert r.output == Engine(model, batch_prefill=False).generate([turn], max_tokens=8)[0]
