@@ -15,7 +15,7 @@
 # machine): run them back to back on one machine. `report` copies eval.json, metrics and plots to $OUT when set.
 # Step counts: SFT_STEPS, RL_STEPS, T_STEPS (teacher), OPD_STEPS in the environment override the defaults;
 # SFT_LR (3e-4), T_LR (3e-4, the teacher) and RL_LR (3e-5, RL and OPD) the learning rates (1e-4 / 1e-5 left the
-# 2026-12-02 run under-trained), SFT_BATCH (256) the SFT batch of the student and the teacher; SFT_SECONDS,
+# 2026-12-02 run under-trained), SFT_BATCH (128) the SFT batch of the student and the teacher; SFT_SECONDS,
 # T_SECONDS, RL_SECONDS (RL and its synchronous baseline), OPD_SECONDS stop a stage's training after that many
 # seconds (whole steps; 0 = none).
 # Options after the stage: --device DEV (default cuda), --preset NAME (random-init student: smoke runs),
@@ -45,10 +45,11 @@ if [[ -n $PRESET ]]; then
   TEACHER_BASE=$PRESET
 else
   SRC=(--checkpoint models/dsv41-small); COMMON=(--device "$DEVICE" --eval-problems 256 --max-tokens 96 --digits 2,4)
-  # 2026-12-04: batch 64 cost ~1.6 s a step with the teacher beside it (host-bound: the step's time hardly grows
-  # with its tokens), so 800 + 1500 steps did not fit a session; 4x the batch for ~1/3 of the steps
-  SFT_STEPS=${SFT_STEPS:-300}; RL_STEPS=${RL_STEPS:-40}; T_STEPS=${T_STEPS:-500}; OPD_STEPS=${OPD_STEPS:-30}
-  SFT_BATCH=${SFT_BATCH:-256}
+  # 2026-12-04: batch 64 cost ~1.6 s a step with the teacher beside it, batch 256 ~6 s (both fp32: the step was
+  # GPU-bound, not host-bound, so the 4x batch bought no samples/s and 4x fewer steps); bf16 now. 128 between:
+  # the time budgets (scripts/gpu_posttrain.sh) stop the stages, the step counts are upper bounds
+  SFT_STEPS=${SFT_STEPS:-600}; RL_STEPS=${RL_STEPS:-40}; T_STEPS=${T_STEPS:-1000}; OPD_STEPS=${OPD_STEPS:-30}
+  SFT_BATCH=${SFT_BATCH:-128}
   LOOP=(--prompts-per-step 8 --max-in-flight 96 --max-staleness 4 --max-offpolicy 0.8)  # 2026-12-02: 128 / 2 / 0.5 dropped 2/3
   TEACHER_BASE=small
 fi
