@@ -5,12 +5,15 @@ Each twin is a composition of the model's own functions in `model.mhc`, so swapp
 calls in `Block.forward` for these ops changes nothing numerically (bit-identical on one device):
   * mhc_post  = hc_post (residual update) → hc_pre (next input mix) → the projection of hc_mixes;
   * mhc_mixes = the projection + RMS part of hc_mixes (before the Sinkhorn split);
-  * mhc_split = hc_split_sinkhorn on fp32 parameters (as hc_mixes calls it).
+  * mhc_split = hc_split_sinkhorn on fp32 parameters (as hc_mixes calls it);
+  * mhc_split_backward = autograd through mhc_split (the reference of the Triton backward that
+    `ops.mhc_split` trains with on CUDA).
 Plain torch ops only: training runs these with autograd.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from dsv41.model.mhc import hc_post, hc_pre, hc_project, hc_split_sinkhorn
@@ -34,3 +37,19 @@ def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, it
               ) -> tuple[Tensor, Tensor, Tensor]:
     """pre (..., n), post (..., n), comb (..., n, n) fp32 — hc_mixes' second half."""
     return hc_split_sinkhorn(mixes.float(), hc_scale.float(), hc_base.float(), hc_mult, iters, eps)
+
+
+def mhc_split_backward(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, g_pre: Tensor | None,
+                       g_post: Tensor | None, g_comb: Tensor | None, hc_mult: int, iters: int, eps: float
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of (mixes (fp32), hc_scale, hc_base) through `mhc_split` from those of pre, post, comb
+    (None = zero): autograd of the forward, recomputed on detached inputs."""
+    leaves = [t.detach().requires_grad_(True) for t in (mixes, hc_scale, hc_base)]
+    with torch.enable_grad():
+        outs = mhc_split(*leaves, hc_mult, iters, eps)
+        pairs = [(o, g) for o, g in zip(outs, (g_pre, g_post, g_comb)) if g is not None]
+        if not pairs:
+            return tuple(torch.zeros_like(t, dtype=torch.float32 if i == 0 else t.dtype)
+                         for i, t in enumerate((mixes, hc_scale, hc_base)))
+        grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves))

@@ -494,6 +494,75 @@ def _mhc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
     tl.store(comb_ptr + rows64[:, None, None] * (N * N) + i3 * N + j3, comb, mask=ok3)
 
 
+@triton.jit
+def _norm_step(x, cell_ok, eps, COLUMNS: tl.constexpr):
+    """One Sinkhorn normalization of (BLOCK, NP, NP): columns (sums over axis 1) or rows (axis 2)."""
+    if COLUMNS:
+        return tl.math.div_rn(x, tl.sum(x, axis=1)[:, None, :] + eps)
+    return tl.math.div_rn(x, tl.sum(x, axis=2)[:, :, None] + eps)
+
+
+@triton.jit
+def _mhc_split_bwd_kernel(mix_ptr, scale_ptr, base_ptr, gpre_ptr, gpost_ptr, gcomb_ptr, gz_ptr, M, eps, s_mt,
+                          ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+    """dL/dz of the split's pre-activations z = mixes·scale + base, (M, (2+n)·n) fp32, from the gradients of
+    pre, post, comb. The Sinkhorn rounds are differentiated in reverse; the input of each normalization is
+    recomputed from the softmax in registers (K² / 2 normalizations for K = 2·ITERS − 1, nothing stored)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    j = tl.arange(0, NP)
+    j_ok = j < N
+    s0 = tl.load(scale_ptr).to(tl.float32)
+    s1 = tl.load(scale_ptr + 1).to(tl.float32)
+    s2 = tl.load(scale_ptr + 2).to(tl.float32)
+    mix_row = mix_ptr + rows64 * s_mt
+    K: tl.constexpr = (2 + N) * N
+    gz_row = gz_ptr + rows64 * K
+
+    ok2 = row_ok[:, None] & j_ok[None, :]
+    sig = tl.sigmoid(tl.load(mix_row[:, None] + j[None, :], mask=ok2, other=0.0).to(tl.float32) * s0
+                     + tl.load(base_ptr + j, mask=j_ok, other=0.0).to(tl.float32)[None, :])
+    g = tl.load(gpre_ptr + rows64[:, None] * N + j[None, :], mask=ok2, other=0.0)
+    tl.store(gz_row[:, None] + j[None, :], g * sig * (1 - sig), mask=ok2)
+    sig = tl.sigmoid(tl.load(mix_row[:, None] + N + j[None, :], mask=ok2, other=0.0).to(tl.float32) * s1
+                     + tl.load(base_ptr + N + j, mask=j_ok, other=0.0).to(tl.float32)[None, :])
+    g = tl.load(gpost_ptr + rows64[:, None] * N + j[None, :], mask=ok2, other=0.0)
+    tl.store(gz_row[:, None] + N + j[None, :], 2 * g * sig * (1 - sig), mask=ok2)
+
+    i3 = j[None, :, None]
+    j3 = j[None, None, :]
+    cell_ok = (i3 < N) & (j3 < N)
+    ok3 = row_ok[:, None, None] & cell_ok
+    cell = 2 * N + i3 * N + j3
+    logits = tl.load(mix_row[:, None, None] + cell, mask=ok3, other=0.0).to(tl.float32) * s2
+    logits += tl.load(base_ptr + cell, mask=cell_ok, other=0.0).to(tl.float32)
+    logits = tl.where(j3 < N, logits, float("-inf"))
+    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+    p = tl.math.div_rn(e, tl.sum(e, axis=2)[:, :, None])  # the softmax (0 in padding columns)
+    x0 = tl.where(cell_ok, p + eps, 0.0)
+    g = tl.load(gcomb_ptr + rows64[:, None, None] * (N * N) + i3 * N + j3, mask=ok3, other=0.0)
+    # normalizations 1..2·ITERS−1: odd = columns, even = rows; back from the last
+    for step in range(2 * ITERS - 1, 0, -1):
+        x = x0
+        for t in range(1, step):  # the input of `step`, recomputed
+            if t % 2 == 1:
+                x = _norm_step(x, cell_ok, eps, True)
+            else:
+                x = _norm_step(x, cell_ok, eps, False)
+        if step % 2 == 1:  # y = x / (Σ_i x + eps) along columns: g_x = (g − Σ_i g·y) / (Σ_i x + eps)
+            denom = tl.sum(x, axis=1)[:, None, :] + eps
+            y = tl.math.div_rn(x, denom)
+            g = tl.math.div_rn(g - tl.sum(g * y, axis=1)[:, None, :], denom)
+        else:
+            denom = tl.sum(x, axis=2)[:, :, None] + eps
+            y = tl.math.div_rn(x, denom)
+            g = tl.math.div_rn(g - tl.sum(g * y, axis=2)[:, :, None], denom)
+        g = tl.where(cell_ok, g, 0.0)
+    g_logits = p * (g - tl.sum(g * p, axis=2)[:, :, None])  # the row softmax's backward
+    tl.store(gz_row[:, None, None] + cell, g_logits, mask=ok3)
+
+
 # --------------------------------------------------------------------------------------------- launchers
 @functools.cache
 def _sm_count(device_index: int) -> int:
@@ -721,6 +790,43 @@ def mhc_mixes(h: Tensor, hc_fn: Tensor, norm_eps: float, *, block_t: int | None 
     _check_streams("mhc_mixes", h, hc_fn)
     return _launch_pass(h, None, None, None, None, hc_fn, norm_eps, block_t, block_d, split, precision,
                         num_warps, num_stages, design, prefetch, cat, fn_cols, tma)[2]
+
+
+def mhc_split_backward(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, g_pre: Tensor | None,
+                       g_post: Tensor | None, g_comb: Tensor | None, hc_mult: int, iters: int, eps: float,
+                       *, block: int = 32, num_warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (mixes' (..., K) fp32, hc_scale's (3,), hc_base's (K,)) of the split (see `ops.mhc_split`)
+    from those of pre, post and comb (None = zero): one kernel for dL/dz of z = mixes·scale + base, then the
+    three small reductions in torch."""
+    n = hc_mult
+    K = (2 + n) * n
+    _require(iters >= 1, f"mhc_split_backward: iters must be ≥ 1, got {iters}")
+    _require(mixes.size(-1) == K, f"mhc_split_backward: mixes must be (..., {K}), got {tuple(mixes.shape)}")
+    _require(runnable(mixes),
+             f"mhc_split_backward: mixes is on {mixes.device}; Triton needs CUDA (or TRITON_INTERPRET=1)")
+    lead = mixes.shape[:-1]
+    M = mixes[..., 0].numel()
+    dev = mixes.device
+    m2 = mixes.reshape(M, K)
+    if m2.stride(1) != 1:
+        m2 = m2.contiguous()
+
+    def grad(t: Tensor | None, shape: tuple[int, ...]) -> Tensor:
+        return torch.zeros(shape, dtype=torch.float32, device=dev) if t is None else \
+            t.reshape(shape).float().contiguous()
+
+    gz = _empty((M, K), torch.float32, dev)
+    if M:
+        _mhc_split_bwd_kernel[(triton.cdiv(M, block),)](
+            m2, hc_scale.contiguous(), hc_base.contiguous(), grad(g_pre, (M, n)), grad(g_post, (M, n)),
+            grad(g_comb, (M, n, n)), gz, M, float(eps), m2.stride(0), ITERS=int(iters), N=n,
+            NP=triton.next_power_of_2(n), BLOCK=block, num_warps=num_warps)
+    segments = (slice(0, n), slice(n, 2 * n), slice(2 * n, K))
+    scale = hc_scale.float()
+    g_mixes = torch.cat([gz[:, seg] * scale[k] for k, seg in enumerate(segments)], dim=1)
+    weighted = gz * m2.float()
+    g_scale = torch.stack([weighted[:, seg].sum() for seg in segments])
+    return g_mixes.reshape(*lead, K), g_scale.to(hc_scale.dtype), gz.sum(0).to(hc_base.dtype)
 
 
 def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int, eps: float,
