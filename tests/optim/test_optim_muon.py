@@ -198,3 +198,21 @@ def test_stacked_experts_equal_per_expert_muon(batch_numel, out_dim, in_dim):
     Muon([fresh], lr=lr, weight_decay=0.0, batch_numel=batch_numel).step()
     rms = ((p0 - fresh.detach()) / lr).square().mean(dim=(1, 2)).sqrt()
     assert (rms - RMS_TARGET).abs().max() <= RMS_TOL, f"per-expert update RMS {rms.tolist()}"
+
+
+def test_a_step_launches_the_same_ops_for_3_or_12_same_shape_params():
+    """Momentum, decay and update are `torch._foreach_*` ops over a shape group (one launch each on CUDA), and
+    Newton–Schulz runs batched: the op count of a step does not grow with the number of params."""
+    from dsv41.testing.sync import OpCounter
+
+    counts = {}
+    for n in (3, 12):
+        params = [torch.nn.Parameter(torch.randn(16, 24)) for _ in range(n)]
+        opt = Muon(params, lr=1e-2, weight_decay=0.1)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()  # creates the momentum buffers
+        with OpCounter() as c:
+            opt.step()
+        counts[n] = c.kernels
+    assert counts[12] == counts[3], counts

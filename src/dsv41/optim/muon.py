@@ -140,6 +140,19 @@ class Muon(torch.optim.Optimizer):
         buf.mul_(mu).add_(p.grad)
         return p.grad.add(buf, alpha=mu) if nesterov else buf.clone()
 
+    def _nesterov_all(self, params: list[Tensor], mu: float, nesterov: bool) -> list[Tensor]:
+        """`_nesterov` of every param as three `torch._foreach_*` ops (one fused launch each on CUDA)."""
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            bufs.append(state["momentum_buffer"])
+        grads = [p.grad for p in params]
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, grads)
+        return torch._foreach_add(grads, bufs, alpha=mu) if nesterov else [b.clone() for b in bufs]
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -157,7 +170,7 @@ class Muon(torch.optim.Optimizer):
                 per_call = max(1, group["batch_numel"] // same_shape[0].numel())
                 for start in range(0, len(same_shape), per_call):
                     params = same_shape[start : start + per_call]
-                    updates = [self._nesterov(p, group["momentum"], group["nesterov"]) for p in params]
+                    updates = self._nesterov_all(params, group["momentum"], group["nesterov"])
                     ortho = orthogonalize(
                         updates,
                         group["heads"],
@@ -166,7 +179,6 @@ class Muon(torch.optim.Optimizer):
                         steps=tuple(group["ns_steps"]),
                         dtype=group["ns_dtype"],
                     )
-                    for p, u in zip(params, ortho):
-                        p.mul_(1 - lr * wd)  # decoupled weight decay with the unscaled lr
-                        p.add_(u, alpha=-lr)
+                    torch._foreach_mul_(params, 1 - lr * wd)  # decoupled weight decay with the unscaled lr
+                    torch._foreach_add_(params, ortho, alpha=-lr)
         return loss
