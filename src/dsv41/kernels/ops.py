@@ -236,10 +236,11 @@ def mhc_mixes(h: Tensor, hc_fn: Tensor, norm_eps: float) -> Tensor:
 def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int, eps: float
               ) -> tuple[Tensor, Tensor, Tensor]:
     """Sinkhorn split of (..., (2+n)·n) mixes into pre (..., n), post (..., n), comb (..., n, n);
-    equals `model.mhc.hc_split_sinkhorn`. Under a gradient on CUDA (or with the Triton backend forced) it
-    trains through `_SinkhornSplit`: the forward kernel, and one backward kernel that differentiates the
-    Sinkhorn rounds in registers — 2 launches (+ a few reductions) for what autograd runs as ~12 ops per
-    round forward and backward (the eager training step's largest launch share: 41 % at 20 rounds)."""
+    equals `model.mhc.hc_split_sinkhorn`. Under a gradient with the Triton backend forced, or on CUDA with
+    DSV41_TRITON_SINKHORN_BACKWARD=1 (opt-in until the kernel is measured on a GPU), it trains through
+    `_SinkhornSplit`: the forward kernel, and one backward kernel that differentiates the Sinkhorn rounds in
+    registers — 2 launches (+ a few reductions) for what autograd runs as ~12 ops per round forward and
+    backward (the eager training step's largest launch share: 41 % at 20 rounds)."""
     if needs_grad(mixes, hc_scale, hc_base) and not torch.compiler.is_compiling() and iters >= 1 \
             and _trains_on_triton(mixes, hc_scale, hc_base):
         return _SinkhornSplit.apply(mixes, hc_scale, hc_base, hc_mult, iters, eps)
@@ -247,11 +248,13 @@ def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, it
 
 
 def _trains_on_triton(*tensors: Tensor) -> bool:
-    """A training Function with Triton kernels runs: forced, or `auto` with every tensor on CUDA."""
+    """A training Function with Triton kernels runs: forced, or `auto` with every tensor on CUDA and the opt-in
+    DSV41_TRITON_SINKHORN_BACKWARD=1 (the backward kernel is verified in the CPU interpreter only so far)."""
     forced = _forced()
     if forced is not None:
         return forced
-    return HAVE_TRITON and all(t.is_cuda for t in tensors)
+    opted_in = os.environ.get("DSV41_TRITON_SINKHORN_BACKWARD", "0") == "1"
+    return opted_in and HAVE_TRITON and all(t.is_cuda for t in tensors)
 
 
 class _SinkhornSplit(torch.autograd.Function):

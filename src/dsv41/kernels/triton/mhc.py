@@ -542,14 +542,17 @@ def _mhc_split_bwd_kernel(mix_ptr, scale_ptr, base_ptr, gpre_ptr, gpost_ptr, gco
     p = tl.math.div_rn(e, tl.sum(e, axis=2)[:, :, None])  # the softmax (0 in padding columns)
     x0 = tl.where(cell_ok, p + eps, 0.0)
     g = tl.load(gcomb_ptr + rows64[:, None, None] * (N * N) + i3 * N + j3, mask=ok3, other=0.0)
-    # normalizations 1..2·ITERS−1: odd = columns, even = rows; back from the last
-    for step in range(2 * ITERS - 1, 0, -1):
+    # normalizations 1..2·ITERS−1: odd = columns, even = rows; back from the last (loops of fixed bounds and
+    # positive steps: the inner one runs every t and applies those before `step`)
+    for back in range(0, 2 * ITERS - 1):
+        step = 2 * ITERS - 1 - back
         x = x0
-        for t in range(1, step):  # the input of `step`, recomputed
-            if t % 2 == 1:
-                x = _norm_step(x, cell_ok, eps, True)
-            else:
-                x = _norm_step(x, cell_ok, eps, False)
+        for t in range(1, 2 * ITERS - 1):  # the input of `step`, recomputed
+            if t < step:
+                if t % 2 == 1:
+                    x = _norm_step(x, cell_ok, eps, True)
+                else:
+                    x = _norm_step(x, cell_ok, eps, False)
         if step % 2 == 1:  # y = x / (Σ_i x + eps) along columns: g_x = (g − Σ_i g·y) / (Σ_i x + eps)
             denom = tl.sum(x, axis=1)[:, None, :] + eps
             y = tl.math.div_rn(x, denom)
