@@ -45,7 +45,7 @@ pipeline() {
   # training, bf16 engines) and batched prefill: more training time, less evaluation time.
   export SFT_SECONDS=${SFT_SECONDS:-300} T_SECONDS=${T_SECONDS:-360} RL_SECONDS=${RL_SECONDS:-150} \
          OPD_SECONDS=${OPD_SECONDS:-150}
-  local S=() TIERS=(--problems 256) BENCH=(--modes batch,sample)
+  local S=() TIERS=(--problems 256) BENCH=(--modes batch,sample --steps 8)
   if [ -n "${SMOKE:-}" ]; then
     S=(--device cpu --preset tiny); TIERS=(--device cpu --problems 4 --max-tokens 16)
     BENCH=(--device cpu --preset tiny --steps 2 --prompts-per-step 2 --modes batch,sample)
