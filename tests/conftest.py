@@ -21,6 +21,18 @@ FP32_ATOL = 1e-6
 BF16_RTOL = 1e-2
 
 
+def load_script(path: str):
+    """A repository script (`benchmarks/x.py`, `scripts/y.py`) imported as a module, to call its `main(argv)`."""
+    import importlib.util
+    from pathlib import Path
+
+    file = Path(__file__).parents[1] / path
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = FP32_RTOL, atol: float = FP32_ATOL,
                  what: str = "") -> None:
     """allclose with max/mean error in the failure message, and identical NaN/inf positions."""

@@ -7,11 +7,11 @@ as-released) into a model that runs.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from tests.conftest import load_script
 
 import dsv41
 from dsv41.checkpoint import load_checkpoint, read_state_dict
@@ -103,9 +103,7 @@ def test_synthetic_shards_are_the_release_layout_and_load(shards):
 
 
 def test_the_shard_script_runs_and_refuses_bad_arguments(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("make_release_shards", ROOT / "scripts" / "make_release_shards.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/make_release_shards.py")
     assert script.main(["--out", str(tmp_path / "a"), "--preset", "tiny", "--device", "cpu"]) == 0
     assert (tmp_path / "a" / "config.json").exists()
     assert script.main(["--out", str(tmp_path / "b"), "--max-layers", "2"]) == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tests.conftest import load_script
+
 from dsv41.cli import main
 
 
@@ -26,18 +28,13 @@ def test_effort_tiers_script_asks_the_server_at_each_tier(tmp_path):
     """scripts/effort_tiers.py end to end on a tiny random policy: the server answers every problem at the
     three API tiers (low / high / max = 50 / 75 / 100) and the JSON has each tier's numbers; a missing
     checkpoint exits 2."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     import torch
 
     from dsv41.posttrain.common import load_policy, save_policy
 
-    spec = importlib.util.spec_from_file_location("effort_tiers", Path(__file__).parents[2] / "scripts" /
-                                                  "effort_tiers.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/effort_tiers.py")
     model, tok = load_policy(None, "tiny", torch.device("cpu"))
     save_policy(model, tok, tmp_path / "policy")
     assert script.main([str(tmp_path / "missing"), "--device", "cpu"]) == 2

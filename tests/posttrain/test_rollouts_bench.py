@@ -3,19 +3,14 @@ cut short keeps what finished), and the rollout engine's prefill is batched (few
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from tests.conftest import load_script
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("rollouts_bench", Path(__file__).parents[2] / "benchmarks" /
-                                                  "rollouts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/rollouts.py")
 
 
 ARGS = ["--device", "cpu", "--preset", "tiny", "--steps", "1", "--prompts-per-step", "2", "--modes", "batch,sample"]

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
+
+from tests.conftest import load_script
 
 
 def test_fewer_sinkhorn_rounds_launch_fewer_kernels_and_phases_add_up(tmp_path):
-    spec = importlib.util.spec_from_file_location("train_launches", Path(__file__).parents[2] / "benchmarks" /
-                                                  "train_launches.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("benchmarks/train_launches.py")
     totals = {}
     for iters in (4, 1):
         out = tmp_path / str(iters)

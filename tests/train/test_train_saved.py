@@ -3,19 +3,14 @@ parameters out."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
+from tests.conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_saved", Path(__file__).parents[2] / "benchmarks" /
-                                                  "train_saved.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/train_saved.py")
 
 
 def test_census_counts_saved_storages_once_and_skips_parameters():
