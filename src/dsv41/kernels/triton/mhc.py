@@ -453,18 +453,22 @@ def _mhc_finish_kernel(part_ptr, sq_ptr, mix_ptr, M, D, norm_eps, SPLIT: tl.cons
 
 
 @triton.jit
-def _mhc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M, eps, s_mt,
-                      ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
-    """BLOCK tokens per program; each token's n×n matrix lives in registers as a (BLOCK, NP, NP) slice."""
+def _split_setup(mix_ptr, scale_ptr, M, s_mt, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+    """The Sinkhorn split kernels' common start: this program's token rows, the stream index, the scales."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < M
     rows64 = rows.to(tl.int64)
     j = tl.arange(0, NP)
-    j_ok = j < N
     s0 = tl.load(scale_ptr).to(tl.float32)
     s1 = tl.load(scale_ptr + 1).to(tl.float32)
     s2 = tl.load(scale_ptr + 2).to(tl.float32)
-    mix_row = mix_ptr + rows64 * s_mt
+    return rows < M, rows64, j, j < N, s0, s1, s2, mix_ptr + rows64 * s_mt
+
+
+@triton.jit
+def _mhc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M, eps, s_mt,
+                      ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK tokens per program; each token's n×n matrix lives in registers as a (BLOCK, NP, NP) slice."""
+    row_ok, rows64, j, j_ok, s0, s1, s2, mix_row = _split_setup(mix_ptr, scale_ptr, M, s_mt, N, NP, BLOCK)
 
     ok2 = row_ok[:, None] & j_ok[None, :]
     m_pre = tl.load(mix_row[:, None] + j[None, :], mask=ok2, other=0.0).to(tl.float32)
@@ -508,15 +512,7 @@ def _mhc_split_bwd_kernel(mix_ptr, scale_ptr, base_ptr, gpre_ptr, gpost_ptr, gco
     """dL/dz of the split's pre-activations z = mixes·scale + base, (M, (2+n)·n) fp32, from the gradients of
     pre, post, comb. The Sinkhorn rounds are differentiated in reverse; the input of each normalization is
     recomputed from the softmax in registers (K² / 2 normalizations for K = 2·ITERS − 1, nothing stored)."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < M
-    rows64 = rows.to(tl.int64)
-    j = tl.arange(0, NP)
-    j_ok = j < N
-    s0 = tl.load(scale_ptr).to(tl.float32)
-    s1 = tl.load(scale_ptr + 1).to(tl.float32)
-    s2 = tl.load(scale_ptr + 2).to(tl.float32)
-    mix_row = mix_ptr + rows64 * s_mt
+    row_ok, rows64, j, j_ok, s0, s1, s2, mix_row = _split_setup(mix_ptr, scale_ptr, M, s_mt, N, NP, BLOCK)
     K: tl.constexpr = (2 + N) * N
     gz_row = gz_ptr + rows64 * K
 
