@@ -39,6 +39,10 @@ def test_bf16_casts_all_but_the_engines_fp32_weights_which_keep_their_values():
             n_bf16 += 1
             assert p.dtype == torch.bfloat16 and torch.equal(p, ref_params[name].to(torch.bfloat16)), name
     assert n_bf16 > len(kept) > 0
+    ref_buffers = dict(ref.named_buffers())
+    for name, b in model.named_buffers():  # RoPE frequencies stay fp32, exact
+        if name.endswith(".freqs"):
+            assert b.dtype == torch.float32 and torch.equal(b, ref_buffers[name]), name
     auto, _ = load("auto")  # CPU: fp32
     assert all(p.dtype == torch.float32 for p in auto.parameters())
 

@@ -256,7 +256,17 @@ class Attention(nn.Module):
             self.compressor = Compressor(c, plan.layer_id)
         if plan.owns_indexer:
             self.indexer = Indexer(c, plan.layer_id)
+        self._rope_config = c
         self.register_buffer("freqs", layer_frequencies(c, plan.ratio), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        """The RoPE frequencies stay fp32 whatever the module is cast to: `.to(bf16)` would round them to ~3
+        digits (phases off by radians at position 10^4) — a cast recomputes them on the new device."""
+        super()._apply(fn, recurse)
+        freqs = self._buffers["freqs"]
+        if freqs.dtype != torch.float32:
+            self._buffers["freqs"] = layer_frequencies(self._rope_config, self.ratio).to(freqs.device)
+        return self
 
     # ------------------------------------------------------------ pieces the engine reuses
     def angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:

@@ -77,7 +77,13 @@ class Gate(nn.Module):
                 self.bias_vl.zero_()
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        """The biases keep their fp32 values through a cast (a cast to bf16 and back would round them: routing
+        near ties would change); they follow the device only."""
+        kept = [(p, p.data) for p in (self.bias, self.bias_vl) if p is not None and p.dtype == torch.float32]
         super()._apply(fn, recurse)
+        for p, data in kept:
+            if p.dtype != torch.float32:
+                p.data = data.to(p.device) if not data.is_meta or p.is_meta else p.data.float()
         for p in (self.bias, self.bias_vl):
             if p is not None and p.dtype != torch.float32:
                 p.data = p.data.float()
