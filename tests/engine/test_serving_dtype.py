@@ -1,9 +1,9 @@
 """`--dtype` of `dsv41 generate` / `dsv41 serve` (auto = bf16 on CUDA, fp32 elsewhere).
 
-Claims checked (CPU): bf16 casts every weight but the engine's fp32 ones (head, routers, compressors), which
-keep their exact fp32 values (a plain `.to(bf16)` would round them); the command runs and a bad value exits 2;
-the prefix store's model identity tells a bf16 engine from an fp32 one of the same weights, and leaves fp32
-identities as they were (computed here from the documented parts).
+Claims checked (CPU): bf16 casts every weight but the engine's fp32 ones (head, routers, compressors, mHC
+coefficients, sinks), which keep their exact fp32 values (a plain `.to(bf16)` would round them); the command
+runs and a bad value exits 2; the prefix store's model identity tells a bf16 engine from an fp32 one of the
+same weights, and leaves fp32 identities as they were (computed here from the documented parts).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def test_bf16_casts_all_but_the_engines_fp32_weights_which_keep_their_values():
             n_bf16 += 1
             assert p.dtype == torch.bfloat16 and torch.equal(p, ref_params[name].to(torch.bfloat16)), name
     assert n_bf16 > len(kept) > 0
+    for layer in model.layers:  # what the release stores in fp32 (checkpoint.release_format)
+        assert layer.attn.attn_sink.dtype == torch.float32 and layer.hc_attn_fn.dtype == torch.float32
     ref_buffers = dict(ref.named_buffers())
     for name, b in model.named_buffers():  # RoPE frequencies stay fp32, exact
         if name.endswith(".freqs"):

@@ -56,8 +56,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="weights and activations: auto (default) = bf16 on CUDA (the head, routers and "
-                        "compressors stay fp32), fp32 elsewhere")
+                   help="weights and activations: auto (default) = bf16 on CUDA (the head, routers, "
+                        "compressors, mHC coefficients and sinks stay fp32), fp32 elsewhere")
     p.add_argument("--speculative", choices=["off", "dspark", "oracle"], default="off",
                    help="speculative decoding: the checkpoint's DSpark drafter, or the model itself as an oracle "
                         "(a mechanism test); default off")

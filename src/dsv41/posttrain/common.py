@@ -48,7 +48,8 @@ def autocast(device: torch.device, dtype: str):
 
 def engine_copy(model: Transformer, dtype: str = "fp32") -> Transformer:
     """The copy an engine samples from: `clone_model`, cast to bf16 for dtype "bf16" but for the weights the
-    engine multiplies in fp32 (`engine.fp32_weights`: head, routers, compressors), which keep their values."""
+    engine multiplies in fp32 (`engine.fp32_weights`: head, routers, compressors, mHC coefficients, sinks),
+    which keep their values."""
     from dsv41.engine.engine import cast_for_engine
 
     copy = clone_model(model)

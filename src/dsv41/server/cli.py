@@ -76,8 +76,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="weights and activations: auto (default) = bf16 on CUDA (the head, routers and "
-                        "compressors stay fp32), fp32 elsewhere; part of the prefix store's model identity")
+                   help="weights and activations: auto (default) = bf16 on CUDA (the head, routers, "
+                        "compressors, mHC coefficients and sinks stay fp32), fp32 elsewhere; part of the prefix "
+                        "store's model identity")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; use fewer than the free cores on a shared box)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
