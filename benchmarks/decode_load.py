@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from dsv41 import load_config
-from dsv41.engine.engine import Engine
+from dsv41.engine.engine import Engine, cast_for_engine
 from dsv41.engine.prefill import PrefillJob
 from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.synthetic import synthetic_running
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     config = load_config(args.preset)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    model = Transformer(config).init_weights(seed=0).to(device=args.device, dtype=dtype).eval()
+    model = cast_for_engine(Transformer(config).init_weights(seed=0).to(args.device), dtype).eval()
     report = {"benchmark": "decode_load", "date": dt.date.today().isoformat(), "preset": args.preset,
               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "streams": args.streams, "context": args.context, "prompts": args.prompts,

@@ -40,7 +40,7 @@ from results_file import dated_path  # noqa: E402
 from dsv41 import load_config  # noqa: E402
 from dsv41.accounting import compute
 from dsv41.engine.cache import SequenceCache, private_pools
-from dsv41.engine.engine import Engine
+from dsv41.engine.engine import Engine, cast_for_engine
 from dsv41.engine.prefill import prefill
 from dsv41.engine.runner import Runner
 from dsv41.engine.synthetic import synthetic_running
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     config = load_config(args.preset)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = Transformer(config).init_weights(seed=0).to(device=device, dtype=dtype).eval()
+    model = cast_for_engine(Transformer(config).init_weights(seed=0).to(device), dtype).eval()
     report = {"benchmark": "peer_decode", "date": dt.date.today().isoformat(), "preset": args.preset,
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "dsv41_active_params": compute(config)["active_params_decode"],

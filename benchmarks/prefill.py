@@ -25,6 +25,7 @@ import torch
 from dsv41 import load_config
 from dsv41.accounting import decode_flops, prefill_flops
 from dsv41.engine.cache import SequenceCache
+from dsv41.engine.engine import cast_for_engine
 from dsv41.engine.prefill import prefill
 from dsv41.engine.runner import Runner
 from dsv41.model.transformer import Transformer
@@ -58,7 +59,7 @@ def main() -> None:
     torch.manual_seed(0)
     config = load_config(args.preset)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    model = Transformer(config).init_weights(seed=0).to(device=args.device, dtype=dtype).eval()
+    model = cast_for_engine(Transformer(config).init_weights(seed=0).to(args.device), dtype).eval()
     runner = Runner(model)
     V = config.vocab_size
     gen = torch.Generator().manual_seed(1)

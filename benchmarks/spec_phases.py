@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from dsv41 import load_config
     from dsv41.engine import engine as engine_mod
-    from dsv41.engine.engine import Engine
+    from dsv41.engine.engine import Engine, cast_for_engine
     from dsv41.engine.sampling import SamplingParams
     from dsv41.engine.speculative import SpeculativeError, VerifyRollback, build_drafter
     from dsv41.model.transformer import Transformer
@@ -156,11 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     if args.preset:
         dtype = DTYPES[args.dtype]
-        model = Transformer(load_config(args.preset)).init_weights(seed=0).to(device=args.device, dtype=dtype).eval()
+        model = cast_for_engine(Transformer(load_config(args.preset)).init_weights(seed=0).to(args.device),
+                                dtype).eval()
     else:
         from dsv41.checkpoint import load_checkpoint
 
-        model = load_checkpoint(args.checkpoint or CHECKPOINT, device=args.device, dtype=DTYPES[args.dtype]).eval()
+        model = cast_for_engine(load_checkpoint(args.checkpoint or CHECKPOINT, device=args.device),
+                                DTYPES[args.dtype]).eval()
     c = model.config
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     k = 4

@@ -225,20 +225,21 @@ def main(argv: list[str] | None = None) -> int:
         print("speculative: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
     from dsv41 import load_config
-    from dsv41.engine.engine import Engine
+    from dsv41.engine.engine import Engine, cast_for_engine
     from dsv41.engine.speculative import NoisyDrafter, SpeculativeError, build_drafter
     from dsv41.model.transformer import Transformer
 
     torch.manual_seed(0)
     dtype = DTYPES[args.dtype]
     if args.preset:
-        model = Transformer(load_config(args.preset)).init_weights(seed=0).to(device=args.device, dtype=dtype).eval()
+        model = cast_for_engine(Transformer(load_config(args.preset)).init_weights(seed=0).to(args.device),
+                                dtype).eval()
         source = f"preset {args.preset} (random init)"
     else:
         from dsv41.checkpoint import load_checkpoint
 
         path = args.checkpoint or CHECKPOINT
-        model = load_checkpoint(path, device=args.device, dtype=DTYPES[args.dtype]).eval()
+        model = cast_for_engine(load_checkpoint(path, device=args.device), dtype).eval()  # fp32 where the release is
         source = str(path)
     c = model.config
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
