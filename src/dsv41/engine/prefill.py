@@ -96,7 +96,7 @@ class Piece:
     @property
     def key(self) -> tuple[str, int, int, int]:
         """Pieces of different sequences with one key can run as one batched forward (`PrefillJob.step_batch`):
-        the same kind, tokens and layers."""
+        the same kind, tokens, first layer and number of layers."""
         return self.kind, self.tokens, self.first, self.layers
 
     @property

@@ -65,6 +65,7 @@ class ScheduledBatch:
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     riders: list[Sequence] = field(default_factory=list)  # their piece shares the forward of an earlier one
+
     @property
     def n_tokens(self) -> int:
         return len(self.decode) + sum(p.tokens for _, p in self.prefill if p.new)
