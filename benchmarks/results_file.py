@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from pathlib import Path
 
 
@@ -15,4 +16,12 @@ def dated_path(folder: str | Path, name: str, date: str | None = None) -> Path:
     path, k = folder / f"{name}-{date}.json", 2
     while path.exists():
         path, k = folder / f"{name}-{date}-{k}.json", k + 1
+    return path
+
+
+def write_result(folder: str | Path, name: str, result: dict, date: str | None = None) -> Path:
+    """`result` as indented JSON at `dated_path(folder, name, date)`; prints and returns the path."""
+    path = dated_path(folder, name, date)
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {path}")
     return path

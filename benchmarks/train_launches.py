@@ -20,7 +20,6 @@ import argparse
 import collections
 import dataclasses
 import datetime as dt
-import json
 import sys
 import traceback
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_file import dated_path  # noqa: E402
+from results_file import write_result  # noqa: E402
 
 from dsv41 import load_config
 from dsv41.model.transformer import Transformer
@@ -100,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{p} {n}" for p, n in phases.items()))
     for site, n in list(result["sites"].items())[:12]:
         print(f"  {n:6d}  {site}")
-    path = dated_path(args.out, "train_launches", result["date"])
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, "train_launches", result, result["date"])
     return 0
 
 

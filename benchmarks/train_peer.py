@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_decode import ceilings, count_params, peer_config  # noqa: E402
-from results_file import dated_path  # noqa: E402
+from results_file import write_result  # noqa: E402
 
 from dsv41 import load_config  # noqa: E402
 from dsv41.accounting import compute  # noqa: E402
@@ -183,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print("dsv41 long", json.dumps(row))
     out = args.out or (str(RESULTS) if cuda else None)
     if out:
-        path = dated_path(out, "train_peer", report["date"])
-        path.write_text(json.dumps(report, indent=1, default=str))
-        print(f"wrote {path}")
+        write_result(out, "train_peer", report, report["date"])
     print_table(report)
     return 0
 

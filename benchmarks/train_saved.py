@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime as dt
-import json
 import sys
 import traceback
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_file import dated_path  # noqa: E402
+from results_file import write_result  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 GATHER_SITE = "model/sparse_attention.py"  # the CPU twin's gathered rows (the CUDA path does not save them)
@@ -134,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {mib:9.1f} MiB  {site}")
     if result.get("peer"):
         print(f"peer: {result['peer']['saved_kib_per_token']:.1f} KiB/token; ratio {result['saved_ratio']:.2f}")
-    path = dated_path(args.out, "train_saved", result["date"])
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, "train_saved", result, result["date"])
     return 0
 
 

@@ -1,8 +1,10 @@
-"""benchmarks/results_file.dated_path: a run never overwrites an earlier one of the same day."""
+"""benchmarks/results_file: a run never overwrites an earlier one of the same day; write_result writes it."""
 
 from __future__ import annotations
 
-from benchmarks.results_file import dated_path
+import json
+
+from benchmarks.results_file import dated_path, write_result
 
 
 def test_dated_paths_count_up_and_never_reuse_a_file(tmp_path):
@@ -15,3 +17,11 @@ def test_dated_paths_count_up_and_never_reuse_a_file(tmp_path):
     assert second.name == "bench-2026-01-02-2.json"
     assert dated_path(folder, "bench", "2026-01-02").name == "bench-2026-01-02-3.json"
     assert dated_path(folder, "other", "2026-01-02").name == "other-2026-01-02.json"
+
+
+def test_write_result_writes_the_json_at_the_next_dated_path(tmp_path, capsys):
+    first = write_result(tmp_path, "bench", {"a": 1}, "2026-01-02")
+    second = write_result(tmp_path, "bench", {"a": 2}, "2026-01-02")
+    assert [first.name, second.name] == ["bench-2026-01-02.json", "bench-2026-01-02-2.json"]
+    assert json.loads(first.read_text()) == {"a": 1} and json.loads(second.read_text()) == {"a": 2}
+    assert f"wrote {second}" in capsys.readouterr().out
