@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dsv41.engine.sampling import (
     MAX_INT,
@@ -126,6 +128,39 @@ def test_make_generator_seeds():
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
     c, d = make_generator(None), make_generator(None)
     assert not torch.equal(torch.rand(4, generator=c), torch.rand(4, generator=d))
+
+
+def test_make_generator_is_a_host_generator():
+    g = make_generator(5)
+    assert g.device.type == "cpu"
+    assert torch.equal(torch.rand(3, generator=g), torch.rand(3, generator=torch.Generator().manual_seed(5)))
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Counts the ops whose output lives on `device` (what a GPU would launch)."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.device, self.count = device, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.count += any(isinstance(t, torch.Tensor) and t.device.type == self.device for t in tree_leaves(out))
+        return out
+
+
+def test_sampling_makes_the_same_device_ops_at_any_batch():
+    """The per-row uniforms are drawn on the host and sent in one copy: the ops on the logits' device (meta
+    here: shapes only) do not grow with the number of sampled rows (one draw per row on the device did)."""
+    counts = {}
+    for B in (2, 8, 64):
+        params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i) for i in range(B)]
+        generators = [make_generator(p.seed) for p in params]
+        with _DeviceOps("meta") as ops:
+            out = sample(torch.empty(B, 300, device="meta"), params, generators)
+        assert out.shape == (B,)
+        counts[B] = ops.count
+    assert counts[2] == counts[8] == counts[64] and counts[2] < 60, counts
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -238,7 +238,7 @@ class Engine:
         params = params or SamplingParams()
         seq = Sequence(next(self._ids), list(prompt), params,
                        self.exact_prefill if exact_prefill is None else exact_prefill,
-                       generator=make_generator(params.seed, self.device), namespace=namespace,
+                       generator=make_generator(params.seed), namespace=namespace,
                        images=prompt_images)
         self.scheduler.add(seq)
         return seq

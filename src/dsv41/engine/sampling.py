@@ -4,9 +4,9 @@ Each row of a (B, V) logits batch follows its own `SamplingParams`, so greedy an
 share a step. A sampled row goes: logits / temperature → top-k (the k largest; ties keep the lower
 ids) → top-p (nucleus of the renormalized top-k distribution: the smallest prefix, in descending
 probability, whose mass reaches top_p — never empty) → one uniform draw from the row's own
-`torch.Generator`, inverted through the kept tokens' cumulative distribution. Every step consumes
-exactly one number from a sampled row's generator and the math never mixes rows, so a seeded
-request's tokens do not depend on what else is in the batch or where its row sits. Greedy
+`torch.Generator` (a host one: `make_generator`), inverted through the kept tokens' cumulative
+distribution. Every step consumes exactly one number from a sampled row's generator and the math never
+mixes rows, so a seeded request's tokens do not depend on what else is in the batch or where its row sits. Greedy
 (temperature 0) is argmax, ties to the lowest id, and draws nothing.
 
 Finishing (`finish_reason`, `StopChecker`): "stop" when the sampled token is one of the request's
@@ -91,9 +91,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
-    """A request's own generator: seeded from `seed`, or from fresh entropy when None."""
-    generator = torch.Generator(device=torch.device(device))
+def make_generator(seed: int | None) -> torch.Generator:
+    """A request's own generator, on the host: seeded from `seed`, or from fresh entropy when None. Its
+    draws are host numbers that reach the device in one copy per step for the whole batch (a device
+    generator costs one kernel launch per row and step), and a seed draws the same numbers on any device."""
+    generator = torch.Generator()
     if seed is None:
         generator.seed()
     else:
@@ -101,11 +103,12 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
     return generator
 
 
-def _uniform(generator: torch.Generator | None, device: torch.device) -> Tensor:
-    """One U[0, 1) draw from the row's generator (the global RNG when None), on `device`."""
-    if generator is None:
-        return torch.rand((), device=device)
-    return torch.rand((), generator=generator, device=generator.device).to(device)
+def host_uniforms(generator: torch.Generator | None, n: int, dtype: torch.dtype = torch.float32) -> list[float]:
+    """n U[0, 1) draws of `dtype` from the row's generator (the global host RNG when None), as host
+    numbers. A generator on another device still works (its draws are copied back: a sync)."""
+    if generator is not None and generator.device.type != "cpu":
+        return torch.rand(n, generator=generator, dtype=dtype, device=generator.device).tolist()
+    return torch.rand(n, generator=generator, dtype=dtype).tolist()
 
 
 def sample(logits: Tensor, params_list: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
@@ -124,7 +127,8 @@ def sample(logits: Tensor, params_list: list[SamplingParams], generators: list[t
     device = logits.device
     cdf = probs.cumsum(dim=-1)  # (S, V), flat after the last kept token
 
-    u = torch.stack([_uniform(generators[i], device) for i in rows])  # (S,)
+    # one host draw per sampled row, one copy for the batch (no device op per row)
+    u = torch.tensor([host_uniforms(generators[i], 1)[0] for i in rows], dtype=torch.float32, device=device)  # (S,)
     target = (u * cdf[:, -1]).unsqueeze(-1)
     position = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first index with cdf > target
     position = torch.minimum(position, keep.sum(dim=-1) - 1)  # rounding guard: stay inside the kept set

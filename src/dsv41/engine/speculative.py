@@ -47,7 +47,7 @@ from dsv41.engine.cache import SequenceCache
 from dsv41.engine.prefill import PrefillJob
 from dsv41.engine.rollback import RollbackState
 from dsv41.engine.runner import Runner
-from dsv41.engine.sampling import SamplingParams, sampling_probs
+from dsv41.engine.sampling import SamplingParams, host_uniforms, sampling_probs
 from dsv41.model.transformer import Transformer
 
 
@@ -333,7 +333,9 @@ def verify(logits: Tensor, drafts: list[list[int]], lengths: list[int], params: 
         qx = q.gather(2, x.unsqueeze(-1)).squeeze(-1)
     else:
         qx = torch.ones_like(px)
-    u = torch.stack([_uniforms(generators[b], lengths[b] + 1, T, device) for b in sampled])  # (S, T)
+    # L + 1 host draws per row (zero-padded to T), one copy for the batch
+    u = torch.tensor([(host_uniforms(generators[b], lengths[b] + 1, torch.float64) + [0.0] * T)[:T] for b in sampled],
+                     dtype=torch.float64, device=device)  # (S, T)
     ok = (u[:, :T - 1] * qx.double() < px.double()).tolist()  # (S, T − 1)
     u_l = u.tolist()
     accepted, final_rows, final_u = [], [], []
@@ -354,13 +356,6 @@ def verify(logits: Tensor, drafts: list[list[int]], lengths: list[int], params: 
         a = accepted[i]
         out[b] = Verdict(a, drafts[b][:a] + [finals[i]])
     return out  # type: ignore[return-value]
-
-
-def _uniforms(generator: torch.Generator | None, n: int, width: int, device: torch.device) -> Tensor:
-    """n uniforms from a row's generator (the global RNG when None), zero-padded to `width` (float64)."""
-    dev = generator.device if generator is not None else torch.device("cpu")
-    u = torch.rand(n, generator=generator, dtype=torch.float64, device=dev).to(device)
-    return torch.cat((u, u.new_zeros(width - n)))
 
 
 # ---------------------------------------------------------------------------------------------- drafters
