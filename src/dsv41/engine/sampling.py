@@ -31,6 +31,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from dsv41.engine.block_manager import to_device
+
 FinishReason = Literal["stop", "length"]
 
 TOP_P_MIN = 1e-8  # smaller masses are refused: fp32 rounds them towards 0 and the nucleus would be empty
@@ -123,17 +125,18 @@ def sample(logits: Tensor, params_list: list[SamplingParams], generators: list[t
     rows = [i for i, p in enumerate(params_list) if not p.greedy]
     if not rows:
         return tokens
-    sorted_ids, probs, keep = _filtered_sorted(logits[rows], [params_list[i] for i in rows])
     device = logits.device
+    index = to_device(rows, device)  # every host list reaches the device through to_device: no stream sync
+    sorted_ids, probs, keep = _filtered_sorted(logits.index_select(0, index), [params_list[i] for i in rows])
     cdf = probs.cumsum(dim=-1)  # (S, V), flat after the last kept token
 
-    # one host draw per sampled row, one copy for the batch (no device op per row)
-    u = torch.tensor([host_uniforms(generators[i], 1)[0] for i in rows], dtype=torch.float32, device=device)  # (S,)
+    # one host draw per sampled row, one copy for the batch (no device op per row; pinned and non-blocking:
+    # the overlapped step samples before it reads anything back, `Engine._launch_sample`)
+    u = to_device([host_uniforms(generators[i], 1)[0] for i in rows], device, torch.float32)  # (S,)
     target = (u * cdf[:, -1]).unsqueeze(-1)
     position = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first index with cdf > target
     position = torch.minimum(position, keep.sum(dim=-1) - 1)  # rounding guard: stay inside the kept set
-    tokens[rows] = sorted_ids.gather(1, position.unsqueeze(-1)).squeeze(-1)
-    return tokens
+    return tokens.index_copy(0, index, sorted_ids.gather(1, position.unsqueeze(-1)).squeeze(-1))
 
 
 def _filtered_sorted(logits: Tensor, params_list: list[SamplingParams]) -> tuple[Tensor, Tensor, Tensor]:
@@ -142,9 +145,9 @@ def _filtered_sorted(logits: Tensor, params_list: list[SamplingParams]) -> tuple
     S, V = logits.shape
     device = logits.device
     # fp32 temperatures; one below fp32's range would round to 0 and turn 0 / 0 into NaN
-    temperature = torch.tensor([p.temperature for p in params_list], device=device).clamp(min=torch.finfo().tiny)
-    top_k = torch.tensor([min(p.top_k or V, V) for p in params_list], device=device)  # clamped in Python: no overflow
-    top_p = torch.tensor([p.top_p for p in params_list], device=device)
+    temperature = to_device([p.temperature for p in params_list], device, torch.float32).clamp(min=torch.finfo().tiny)
+    top_k = to_device([min(p.top_k or V, V) for p in params_list], device)  # clamped in Python: no overflow
+    top_p = to_device([p.top_p for p in params_list], device, torch.float32)
 
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # (S, V), ties: lower id
     # shift by the max before dividing: a tiny temperature then gives -inf, never inf - inf

@@ -42,7 +42,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from dsv41.engine.block_manager import BlockManager
+from dsv41.engine.block_manager import BlockManager, to_device
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.prefill import PrefillJob
 from dsv41.engine.rollback import RollbackState
@@ -334,8 +334,8 @@ def verify(logits: Tensor, drafts: list[list[int]], lengths: list[int], params: 
     else:
         qx = torch.ones_like(px)
     # L + 1 host draws per row (zero-padded to T), one copy for the batch
-    u = torch.tensor([(host_uniforms(generators[b], lengths[b] + 1, torch.float64) + [0.0] * T)[:T] for b in sampled],
-                     dtype=torch.float64, device=device)  # (S, T)
+    u = to_device([(host_uniforms(generators[b], lengths[b] + 1, torch.float64) + [0.0] * T)[:T] for b in sampled],
+                  device, torch.float64)  # (S, T)
     ok = (u[:, :T - 1] * qx.double() < px.double()).tolist()  # (S, T − 1)
     u_l = u.tolist()
     accepted, final_rows, final_u = [], [], []
