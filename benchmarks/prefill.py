@@ -24,7 +24,7 @@ import torch
 
 from dsv41 import load_config
 from dsv41.accounting import decode_flops, prefill_flops
-from dsv41.engine.cache import SequenceCache
+from dsv41.engine.cache import SequenceCache, private_pools
 from dsv41.engine.engine import cast_for_engine
 from dsv41.engine.prefill import prefill
 from dsv41.engine.runner import Runner
@@ -44,7 +44,7 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -54,7 +54,10 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if min(args.prefill + args.decode) < 1 or args.decode_steps < 1 or args.chunk < 1:
+        print("prefill.py: --prefill, --decode, --decode-steps and --chunk take positive numbers", flush=True)
+        return 2
 
     torch.manual_seed(0)
     config = load_config(args.preset)
@@ -67,15 +70,19 @@ def main() -> None:
     def prompt(n: int) -> list[int]:
         return torch.randint(3, V, (n,), generator=gen).tolist()
 
-    prefill(runner, SequenceCache(config, args.device), prompt(512), chunk=args.chunk)  # warm-up
-    prefill(runner, SequenceCache(config, args.device), prompt(512), chunk=args.chunk, exact=True)
+    def fresh(n: int) -> SequenceCache:
+        """A lone sequence with pools for n tokens plus the decode steps (a private cache's default pools are
+        sized by the preset's max_seq_len, which the lengths here exceed)."""
+        return SequenceCache(config, pools=private_pools(config, args.device, max_tokens=n + args.decode_steps + 8))
+
+    prefill(runner, fresh(512), prompt(512), chunk=args.chunk)  # warm-up
+    prefill(runner, fresh(512), prompt(512), chunk=args.chunk, exact=True)
 
     rows = []
     for n in args.prefill:
         ids = prompt(n)
-        fast = timed(lambda: prefill(runner, SequenceCache(config, args.device), ids, chunk=args.chunk), args.device)
-        exact = timed(lambda: prefill(runner, SequenceCache(config, args.device), ids, chunk=args.chunk, exact=True),
-                      args.device)
+        fast = timed(lambda: prefill(runner, fresh(n), ids, chunk=args.chunk), args.device)
+        exact = timed(lambda: prefill(runner, fresh(n), ids, chunk=args.chunk, exact=True), args.device)
         flops = prefill_flops(config, n)
         rows.append(dict(tokens=n, encoder_only_s=fast, exact_s=exact, measured_ratio=fast / exact,
                          flop_ratio=flops["encoder_only_per_token"] / flops["exact_per_token"]))
@@ -84,7 +91,7 @@ def main() -> None:
 
     decode_rows = []
     for n in args.decode:
-        seq = SequenceCache(config, args.device)
+        seq = fresh(n)
         try:
             build = timed(lambda: prefill(runner, seq, prompt(n), chunk=args.chunk), args.device)
             step_times = []
@@ -116,13 +123,15 @@ def main() -> None:
         device=torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
         torch=torch.__version__, chunk=args.chunk, prefill=rows, decode=decode_rows,
         targets=dict(prefill_ratio_max=0.55, decode_growth_max=1.3),
-        note="eager torch path (kernels.ops not yet used); random weights",
+        note="one prompt at a time, no CUDA graphs (the engine graphs decode steps; peer_decode.py compares with the"
+             " dense peer); random weights",
     )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"prefill-{result['date']}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
