@@ -50,7 +50,7 @@ def long_tail(mean: int, alpha: float, cap: int, seed: int):
 
 def train_fn(policy, lr: float, dtype: str = "fp32"):
     """A real RL-sized update per batch: replayed-routing forward, token log-probs, backward, optimizer step."""
-    optimizer = optimizer_for(policy, lr)
+    optimizer = optimizer_for(policy, lr, dtype)
     device = next(policy.parameters()).device
 
     def step(samples, version):

@@ -34,6 +34,7 @@ from dsv41 import load_config  # noqa: E402
 from dsv41.accounting import compute  # noqa: E402
 from dsv41.model.transformer import Transformer  # noqa: E402
 from dsv41.optim import build_optimizer  # noqa: E402
+from dsv41.optim.muon import ns_dtype_for  # noqa: E402
 from dsv41.train.trainer import apply_block_options  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,7 +69,7 @@ def dsv41_train(config, B: int, T: int, args) -> dict:
     torch.manual_seed(0)
     model = Transformer(config).init_weights(seed=0).to(args.device).train()
     apply_block_options(model, checkpoint=args.checkpoint_activations, compile=args.compile)
-    opt = build_optimizer(model, lr=1e-4)
+    opt = build_optimizer(model, lr=1e-4, ns_dtype=ns_dtype_for(args.device, "bf16"))  # bf16 autocast on CUDA
     V = config.vocab_size
 
     def step() -> None:

@@ -27,6 +27,7 @@ import torch
 from dsv41 import load_config
 from dsv41.model.transformer import Transformer
 from dsv41.optim import build_optimizer
+from dsv41.optim.muon import ns_dtype_for
 from dsv41.train.trainer import apply_block_options
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = Transformer(config).init_weights(seed=0).to(args.device).train()
     apply_block_options(model, checkpoint=args.checkpoint_activations, compile=args.compile)
-    opt = build_optimizer(model, lr=1e-4)
+    opt = build_optimizer(model, lr=1e-4, ns_dtype=ns_dtype_for(args.device, "bf16"))  # bf16 autocast on CUDA
     B, T, V = args.batch, args.seq, config.vocab_size
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 

@@ -54,6 +54,13 @@ def newton_schulz(
     return X.to(G.dtype)
 
 
+def ns_dtype_for(device: torch.device | str, dtype: str) -> torch.dtype:
+    """The Newton–Schulz compute dtype of a run: bfloat16 on CUDA when the run trains in bf16 (tensor-core
+    matmuls; singular values within about 1 % of 1, as the public Muon implementations run it — fp32 runs the
+    ten iterations on CUDA cores, tens of ms a step for `small`), float32 otherwise (the CPU, fp32 runs)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" and dtype == "bf16" else torch.float32
+
+
 def muon_scale(rows: int, cols: int, rms: float) -> float:
     """Factor that turns an orthogonalized (rows, cols) update into one with RMS `rms`."""
     return rms * max(rows, cols) ** 0.5
@@ -130,6 +137,14 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.ndim < 2:
                     raise ValueError(f"Muon handles matrices only; got a param of shape {tuple(p.shape)}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The checkpoint's state and hyper-parameters, but this run's `ns_dtype` (a property of the device and
+        precision a run trains on, not of the checkpoint: a run saved on the CPU resumes on CUDA in bf16)."""
+        keep = [group["ns_dtype"] for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, dtype in zip(self.param_groups, keep):
+            group["ns_dtype"] = dtype
 
     def _nesterov(self, p: Tensor, mu: float, nesterov: bool) -> Tensor:
         """buf ← μ·buf + g; the update is g + μ·buf (Nesterov) or buf."""

@@ -99,10 +99,14 @@ def save_policy(model: Transformer, tok: Tok, out: str | Path, metadata: dict[st
     return out
 
 
-def optimizer_for(model: Transformer, lr: float):
+def optimizer_for(model: Transformer, lr: float, dtype: str = "fp32"):
+    """The recipe's optimizer without weight decay; `dtype` the run's training precision (its Newton–Schulz
+    dtype follows, `optim.muon.ns_dtype_for`)."""
     from dsv41.optim import build_optimizer
+    from dsv41.optim.muon import ns_dtype_for
 
-    return build_optimizer(model, lr, weight_decay=0.0)
+    device = next(model.parameters()).device
+    return build_optimizer(model, lr, weight_decay=0.0, ns_dtype=ns_dtype_for(device, dtype))
 
 
 def set_lr(optimizer, lr: float, step: int, warmup: int) -> float:

@@ -221,7 +221,7 @@ def _stats_by_effort(tok: Tok, samples: list[Sample]) -> tuple[list[bool], list[
 
 
 def grpo_step(policy: Transformer, tok: Tok, cfg: LoopConfig) -> StepFn:
-    optimizer = optimizer_for(policy, cfg.lr)
+    optimizer = optimizer_for(policy, cfg.lr, cfg.dtype)
     params = [p for p in policy.parameters() if p.requires_grad]
     device = next(policy.parameters()).device
 
@@ -246,7 +246,7 @@ def grpo_step(policy: Transformer, tok: Tok, cfg: LoopConfig) -> StepFn:
 
 
 def opd_step(student: Transformer, tok: Tok, cfg: LoopConfig, teachers: Teachers) -> StepFn:
-    optimizer = optimizer_for(student, cfg.lr)
+    optimizer = optimizer_for(student, cfg.lr, cfg.dtype)
     params = [p for p in student.parameters() if p.requires_grad]
     device = next(student.parameters()).device
 

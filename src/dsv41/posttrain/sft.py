@@ -63,7 +63,7 @@ def train_sft(model: Transformer, tok: Tok, problems: list[Problem], cfg: SFTCon
     per-step reply loss. The token mask covers real tokens only (padding stays out of the MoE statistics)."""
     device = next(model.parameters()).device
     rng = random.Random(cfg.seed + start_step)
-    optimizer = optimizer_for(model, cfg.lr)
+    optimizer = optimizer_for(model, cfg.lr, cfg.dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     losses = []

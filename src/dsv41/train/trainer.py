@@ -64,6 +64,7 @@ from dsv41.config import ConfigError, ModelConfig, load_config
 from dsv41.model.moe import moe_modules, update_moe_biases
 from dsv41.model.transformer import Transformer
 from dsv41.optim import LRSchedule, build_optimizer
+from dsv41.optim.muon import ns_dtype_for
 from dsv41.train import state as ckpt
 from dsv41.train.data import PackedDataset, TokenizedCorpus, load_corpus, val_batches
 from dsv41.train.tokenizer import DATA_DIR, DEFAULT_TOKENIZER, build_compressed_token_map, load_tokenizer
@@ -426,7 +427,7 @@ class Trainer:
         self.model.to(self.device).train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, tc.lr, weight_decay=tc.weight_decay,
-                                         engram_lr_mult=tc.engram_lr_mult)
+                                         engram_lr_mult=tc.engram_lr_mult, ns_dtype=ns_dtype_for(self.device, tc.dtype))
         self.schedule = tc.schedule()
         apply_block_options(self.model, checkpoint=tc.checkpoint_activations, compile=tc.compile)
         self._losses = partial(self.model.losses, attention=tc.attention)

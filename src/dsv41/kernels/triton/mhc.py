@@ -549,14 +549,15 @@ def _mhc_split_bwd_kernel(mix_ptr, scale_ptr, base_ptr, gpre_ptr, gpost_ptr, gco
                     x = _norm_step(x, cell_ok, eps, True)
                 else:
                     x = _norm_step(x, cell_ok, eps, False)
+        # (the two branches' sums have different shapes: Triton wants each name one type in both branches)
         if step % 2 == 1:  # y = x / (Σ_i x + eps) along columns: g_x = (g − Σ_i g·y) / (Σ_i x + eps)
-            denom = tl.sum(x, axis=1)[:, None, :] + eps
-            y = tl.math.div_rn(x, denom)
-            g = tl.math.div_rn(g - tl.sum(g * y, axis=1)[:, None, :], denom)
+            col_sum = tl.sum(x, axis=1)[:, None, :] + eps
+            y = tl.math.div_rn(x, col_sum)
+            g = tl.math.div_rn(g - tl.sum(g * y, axis=1)[:, None, :], col_sum)
         else:
-            denom = tl.sum(x, axis=2)[:, :, None] + eps
-            y = tl.math.div_rn(x, denom)
-            g = tl.math.div_rn(g - tl.sum(g * y, axis=2)[:, :, None], denom)
+            row_sum = tl.sum(x, axis=2)[:, :, None] + eps
+            y = tl.math.div_rn(x, row_sum)
+            g = tl.math.div_rn(g - tl.sum(g * y, axis=2)[:, :, None], row_sum)
         g = tl.where(cell_ok, g, 0.0)
     g_logits = p * (g - tl.sum(g * p, axis=2)[:, :, None])  # the row softmax's backward
     tl.store(gz_row[:, None, None] + cell, g_logits, mask=ok3)
