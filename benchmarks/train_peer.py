@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 import time
 import traceback
@@ -69,7 +70,7 @@ def dsv41_train(config, B: int, T: int, args) -> dict:
     torch.manual_seed(0)
     model = Transformer(config).init_weights(seed=0).to(args.device).train()
     apply_block_options(model, checkpoint=args.checkpoint_activations, compile=args.compile)
-    opt = build_optimizer(model, lr=1e-4, ns_dtype=ns_dtype_for(args.device, "bf16"))  # bf16 autocast on CUDA
+    opt = build_optimizer(model, lr=1e-4, ns_dtype=NS_DTYPES[args.ns_dtype] or ns_dtype_for(args.device, "bf16"))
     V = config.vocab_size
 
     def step() -> None:
@@ -108,6 +109,10 @@ def peer_train(config, B: int, T: int, args) -> dict:
     return {"batch": B, "seq": T, "step_s": s, "tokens_per_s": B * T / s, "peak_gib": peak, "active_params": active}
 
 
+# --ns-dtype: auto = the trainer's rule for a bf16 run (bf16 on CUDA, fp32 on the CPU)
+NS_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def mfu(row: dict | None, peak_tflops: float | None) -> None:
     if row and peak_tflops:
         row["model_tflops"] = 6 * row["active_params"] * row["tokens_per_s"] / 1e12
@@ -127,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", choices=("sparse", "dense"), default="sparse")
     ap.add_argument("--checkpoint-activations", action="store_true", help="dsv41: recompute each Block")
     ap.add_argument("--compile", action="store_true", help="dsv41: torch.compile each Block")
+    ap.add_argument("--ns-dtype", choices=tuple(NS_DTYPES), default="auto",
+                    help="dsv41: Muon's Newton-Schulz dtype (auto: bf16 on CUDA, as the trainer for a bf16 run)")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--out", default=None, help=f"results folder (default {RESULTS} on CUDA, none on CPU)")
     args = ap.parse_args(argv)
@@ -143,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "attention": args.attention, "checkpoint_activations": args.checkpoint_activations,
               "compile": args.compile, "tokens_per_step": B * T, "ceilings": ceilings(args.device),
+              "ns_dtype": str(NS_DTYPES[args.ns_dtype] or ns_dtype_for(args.device, "bf16")).removeprefix("torch."),
+              "triton_sinkhorn_backward": os.environ.get("DSV41_TRITON_SINKHORN_BACKWARD") == "1",
               "errors": []}
     peak_tflops = report["ceilings"].get("bf16_matmul_tflops")
 
