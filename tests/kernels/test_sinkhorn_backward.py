@@ -5,7 +5,7 @@ equal fp64 autograd through the model's `hc_split_sinkhorn` (an independent refe
 round counts, extreme logits, and any subset of (pre, post, comb) receiving a gradient; the torch twin
 (`ref.mhc_split_backward`) equals the same reference; the Function's forward is the inference kernel's; and
 a forward + backward runs a handful of torch ops besides its two kernels, where autograd through the rounds
-runs hundreds.
+runs hundreds; CUDA trains through it by default (DSV41_TRITON_SINKHORN_BACKWARD=0 opts out).
 """
 
 from __future__ import annotations
@@ -116,3 +116,20 @@ def test_gpu_backward_kernel_equals_fp64_autograd_at_training_sizes():
     want = reference(mixes, scale, base, grads, 4, 20)
     got = mhc_split_backward(mixes.cuda(), scale.cuda(), base.cuda(), *(t.cuda() for t in grads), 4, 20, EPS)
     assert max(rel(a.cpu(), b) for a, b in zip(got, want)) <= 2e-5
+
+
+def test_cuda_trains_through_the_kernels_by_default_and_the_variable_opts_out(monkeypatch):
+    """The default since the kernel ran on the H200 (= fp64 autograd there): CUDA tensors train through
+    `_SinkhornSplit` unless DSV41_TRITON_SINKHORN_BACKWARD=0; CPU tensors never do under `auto`."""
+    from types import SimpleNamespace
+
+    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    monkeypatch.setattr(ops, "HAVE_TRITON", True)
+    monkeypatch.delenv("DSV41_TRITON_SINKHORN_BACKWARD", raising=False)
+    assert ops._trains_on_triton(cuda, cuda) and not ops._trains_on_triton(cuda, cpu)
+    monkeypatch.setenv("DSV41_TRITON_SINKHORN_BACKWARD", "0")
+    assert not ops._trains_on_triton(cuda, cuda)
+    monkeypatch.setenv("DSV41_TRITON_SINKHORN_BACKWARD", "1")
+    assert ops._trains_on_triton(cuda, cuda)
+    monkeypatch.setattr(ops, "HAVE_TRITON", False)
+    assert not ops._trains_on_triton(cuda, cuda)
