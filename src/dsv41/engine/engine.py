@@ -34,7 +34,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -88,6 +88,12 @@ class EngineStats:
     preemptions: int = 0
     failures: int = 0
     speculative: SpeculativeStats | None = None  # acceptance counters and histogram when speculating
+    # wall seconds by phase of the steps with decode rows (and the emission of prefills' first tokens), summed
+    # over steps (`Engine.phase_ms`):
+    # schedule; prepare (the step's inputs filled on the host and sent); launch (graph replay or eager forward
+    # called — on a GPU its launch, not its run); sample (sampling queued and the tokens waited for: on a GPU this
+    # holds the step's device time); emit (outputs, finishes)
+    host_s: dict[str, float] = field(default_factory=dict)
 
 
 def fp32_weights(model: Transformer) -> list[torch.nn.Parameter]:
@@ -249,7 +255,9 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """One engine step: the scheduled decode batch, then the scheduled prefill pieces."""
+        t_schedule = time.perf_counter()
         batch = self.scheduler.schedule()
+        self._phase("schedule", t_schedule)
         self.stats.steps += 1
         self.stats.preemptions += len(batch.preempted)
         outputs: list[StepOutput] = []
@@ -263,7 +271,9 @@ class Engine:
                 if batch.prefill:
                     # overlap: the pieces' host work (their kernel launches) runs while the device still
                     # decodes; the tokens are read after the pieces are queued (`_launch_sample`)
+                    t_sample = time.perf_counter()
                     pending = (logits, self._launch_sample(batch.decode, logits))
+                    self._phase("sample", t_sample)
                 else:
                     outputs.extend(self._emit(batch.decode, logits))
             self._add_decode_time(batch.decode, time.perf_counter() - t0)
@@ -272,10 +282,23 @@ class Engine:
         if pending is not None:
             t0 = time.perf_counter()
             logits, tokens = pending
-            outputs.extend(self._emit(batch.decode, logits, tokens()))
+            sampled = tokens()
+            self._phase("sample", t0)
+            outputs.extend(self._emit(batch.decode, logits, sampled))
             self._add_decode_time(batch.decode, time.perf_counter() - t0)
         outputs.extend(prefill_outputs)
         return outputs
+
+    def _phase(self, name: str, t0: float) -> float:
+        """Add the wall time since t0 to phase `name` of `EngineStats.host_s`; returns the time now."""
+        now = time.perf_counter()
+        self.stats.host_s[name] = self.stats.host_s.get(name, 0.0) + now - t0
+        return now
+
+    def phase_ms(self, steps: int | None = None) -> dict[str, float]:
+        """Milliseconds per step of each phase (`EngineStats.host_s`), over `steps` (default: every step)."""
+        n = max(steps if steps is not None else self.stats.steps, 1)
+        return {name: seconds * 1e3 / n for name, seconds in self.stats.host_s.items()}
 
     @staticmethod
     def _add_decode_time(seqs: list[Sequence], seconds: float) -> None:
@@ -431,6 +454,7 @@ class Engine:
         io.logits[:B]. Replayed from `graphs` when given, eager otherwise. drafts (B, T − 1), a device
         tensor: block positions 1 … T − 1 come from it instead of `tokens` (device → device)."""
         B = len(caches)
+        t0 = time.perf_counter()
         io.fill_batch(caches, tokens)
         n_entries = io.max_entries(B)
         Bb, n_max = graphs.shape(B, n_entries) if graphs is not None else (B, n_entries)
@@ -438,6 +462,14 @@ class Engine:
         io.send()
         if drafts is not None:
             io.device[io.TOK + 1:io.TOK + io.T, :B].copy_(drafts.t())
+        t0 = self._phase("prepare", t0)
+        try:
+            return self._launch_static(io, graphs, B, Bb, n_max, n_entries)
+        finally:
+            self._phase("launch", t0)
+
+    def _launch_static(self, io: DecodeIO, graphs: DecodeGraphs | None, B: int, Bb: int, n_max: dict[int, int],
+                       n_entries: dict[int, int]) -> Tensor:
         if graphs is not None:
             try:
                 return graphs.run(B, n_max)
@@ -720,9 +752,11 @@ class Engine:
         parameters and generator — and record it. A row whose sampling fails fails alone. sampled: the
         tokens `_launch_sample` drew already (None: sample here)."""
         tokens: list[int | None]
+        t0 = time.perf_counter()
         try:
             if sampled is None:
                 sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+                t0 = self._phase("sample", t0)
             tokens = sampled
         except Exception:  # noqa: BLE001 - find the row(s) at fault, keep the others
             tokens = []
@@ -753,6 +787,7 @@ class Engine:
             if seq.finish_reason is not None:
                 self._finish(seq)
             outputs.append(StepOutput(seq, token, seq.finished, lp, top))
+        self._phase("emit", t0)
         return outputs
 
     @staticmethod
