@@ -95,9 +95,9 @@ def count_params(module) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- dsv41
-def dsv41_decode(model, B: int, context: int, steps: int, device: str, graphs: bool) -> dict:
+def dsv41_decode(model, B: int, context: int, steps: int, device: str, graphs: bool, overlap: bool = False) -> dict:
     engine = Engine(model, max_batch=max(B, 1), max_seq_len=context + steps + 8,
-                    max_tokens=B * (context + steps + 8), cuda_graphs=graphs)
+                    max_tokens=B * (context + steps + 8), cuda_graphs=graphs, overlap=overlap)
     synthetic_running(engine, B, context, seed=0)
     for _ in range(3):  # warm-up (captures the graph)
         engine.step()
@@ -105,7 +105,7 @@ def dsv41_decode(model, B: int, context: int, steps: int, device: str, graphs: b
     t = timed(engine.step, device, steps)
     # where the step's wall time goes (Engine.phase_ms): on a GPU `sample` holds the wait for the step's device work
     out = {"step_ms": t * 1e3, "tok_s": B / t, "graphs": engine.graphs.captures if engine.graphs else 0,
-           "phase_ms": engine.phase_ms(steps)}
+           "phase_ms": engine.phase_ms(steps), "overlapped_steps": engine.stats.overlapped_steps}
     if engine.graphs is not None:  # the replay alone (GPU time of the step)
         key = next(iter(engine.graphs.graphs))
         graph = engine.graphs.graphs[key]
@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--compile-cells", nargs="*", default=["1x4096", "64x32768"],
                     help="BxT cells where the peer's torch.compile path runs (each compile costs minutes)")
+    ap.add_argument("--overlap-cells", nargs="*", default=["64x4096", "1x4096", "64x32768"],
+                    help="BxT cells where dsv41 also runs with Engine(overlap=True) (the next step launched first)")
     ap.add_argument("--no-peer", action="store_true", help="dsv41 only (no transformers needed)")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--profile", nargs="*", default=["64x32768"], help="BxT cells to profile (eager step)")
@@ -378,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
             cell = {"batch": B, "context": T}
             cell["dsv41"] = attempt(f"dsv41 {B}x{T}", lambda: dsv41_decode(model, B, T, args.steps, device,
                                                                             not args.no_graphs and device != "cpu"))
+            if f"{B}x{T}" in args.overlap_cells:
+                cell["dsv41_overlap"] = attempt(f"dsv41 overlap {B}x{T}", lambda: dsv41_decode(
+                    model, B, T, args.steps, device, not args.no_graphs and device != "cpu", overlap=True))
             if hf is not None:
                 cell["peer_graph"] = attempt(f"peer graph {B}x{T}", lambda: peer_graph(hf, B, T, args.steps, device))
                 cell["peer_eager_dynamic"] = attempt(f"peer eager {B}x{T}",
@@ -386,10 +391,13 @@ def main(argv: list[str] | None = None) -> int:
                     cell["peer_compile_static"] = attempt(f"peer compile {B}x{T}",
                                                           lambda: peer_hf(hf, B, T, args.steps, device, True))
             ours = (cell.get("dsv41") or {}).get("tok_s")
+            overlapped = (cell.get("dsv41_overlap") or {}).get("tok_s")
             for k in ("peer_graph", "peer_eager_dynamic", "peer_compile_static"):
                 theirs = (cell.get(k) or {}).get("tok_s")
                 if ours and theirs:
                     cell[f"ratio_vs_{k}"] = ours / theirs
+                if overlapped and theirs:
+                    cell[f"overlap_ratio_vs_{k}"] = overlapped / theirs
             report["cells"].append(cell)
             save()
             print(json.dumps(cell, default=lambda v: round(v, 4) if isinstance(v, float) else v))

@@ -7,7 +7,8 @@
 # RoPE + FP4 / RMSNorm / SwiGLU kernels = twins), then benchmarks/peer_decode.py (decode grid vs the
 # dense peer's three paths, prefill, profiles) and benchmarks/decode_load.py (token gaps under four 32K
 # prompts). Files in OUT_DIR (default $OUT, else /tmp/dsv41-gpu): tests.log, peer.log, load.log and the
-# two results JSONs. Exit status 1 if a test failed.
+# two results JSONs (peer_decode.py saves each cell as it finishes: 4K first, with the overlap cells). Exit
+# status 1 if a test failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/dsv41-gpu}}"
@@ -27,7 +28,7 @@ echo "===== gpu tests (exit $rc)" >>"$out/tests.log"
 tail -30 "$out/tests.log"
 fi
 if [[ $parts == *peer* ]]; then
-timeout 330 python3 benchmarks/peer_decode.py --batches 64 1 16 --contexts 32768 131072 4096 \
+timeout 330 python3 benchmarks/peer_decode.py --batches 64 1 16 --contexts 4096 32768 131072 \
     --prefill 8192 32768 --compile-cells 1x4096 64x32768 --profile 64x32768 --out "$out" >"$out/peer.log" 2>&1
 tail -25 "$out/peer.log"
 fi

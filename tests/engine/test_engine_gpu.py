@@ -155,3 +155,28 @@ def test_sampling_sampled_rows_never_syncs_with_the_host():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == (16,) and bool(((out >= 0) & (out < 1000)).all())
+
+
+def test_overlapped_decode_with_graphs_emits_the_waiting_engines_tokens():
+    """`Engine(overlap=True)` on CUDA (graph replays fed from the device tokens, two pinned token buffers, the
+    input buffer reused only after its copy): the tokens of the engine that waits, stops and samples included."""
+    torch.manual_seed(53)
+    model = engine_test_model(53).to("cuda")
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(53)
+    prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (7, 60, 200, 33)]
+
+    def run(overlap: bool, stops=None):
+        engine = Engine(model, max_batch=8, overlap=overlap)
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=40, temperature=0.8 if i % 2 else 0.0, seed=i,
+                                                     stop_token_ids=[stops[i]] if stops else []))
+                for i, p in enumerate(prompts)]
+        while engine.has_work():
+            engine.step()
+        return [s.output for s in seqs], engine.stats.overlapped_steps
+
+    first, _ = run(False)
+    stops = [out[len(out) // 2] for out in first]
+    want, _ = run(False, stops)
+    got, overlapped = run(True, stops)
+    assert got == want and overlapped > 10

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dsv41.engine.block_manager import PAGE_ROWS, BlockManager
+from dsv41.engine.block_manager import PAGE_ROWS, BlockManager, to_device
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.graphs import DecodeGraphs, batch_buckets, bucket
 from dsv41.engine.prefill import PrefillJob, encode_prompt_images
@@ -76,6 +76,25 @@ class StepOutput:
     error: str | None = None
 
 
+_PENDING = -1  # a cache's token id that an in-flight step is still computing (`Engine(overlap=True)`)
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched and not yet emitted: its rows, logits, tokens sampled on the device, and the wait
+    for their host copy; rows[i] = the row of seqs[i] in that step (rows that ended since are left out)."""
+
+    seqs: list[Sequence]
+    logits: Tensor
+    tokens: Tensor
+    wait: Callable[[], list[int]]
+    rows: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            self.rows = list(range(len(self.seqs)))
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -87,6 +106,7 @@ class EngineStats:
     prefill_forwards: int = 0  # host-driven prefill forwards (a batched group of pieces is one)
     preemptions: int = 0
     failures: int = 0
+    overlapped_steps: int = 0  # decode steps launched before the previous one's tokens were read (overlap)
     speculative: SpeculativeStats | None = None  # acceptance counters and histogram when speculating
     # wall seconds by phase of the steps with decode rows (and the emission of prefills' first tokens), summed
     # over steps (`Engine.phase_ms`):
@@ -136,7 +156,7 @@ class Engine:
                  prefix_cache: PrefixCache | None = None, max_seq_len: int | None = None,
                  max_tokens: int | None = None, cuda_graphs: bool | None = None, graph_min_entries: int = 1024,
                  page_rows: int = PAGE_ROWS, drafter: Drafter | None = None, step_time: StepTimeCurve | None = None,
-                 speculate: str = "auto", batch_prefill: bool = True):
+                 speculate: str = "auto", batch_prefill: bool = True, overlap: bool = False):
         """max_seq_len bounds one sequence (default: the config's); max_tokens sizes the global-KV
         pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
         max_seq_len); token_budget = tokens per step (default prefill_chunk + max_batch); prefill_layers =
@@ -148,7 +168,9 @@ class Engine:
         speculate: "auto" — a step decodes plainly when the measured speculative steps at this batch size
         emit fewer tokens per second than plain ones (`CostModel`; the drafter catches up on those
         tokens later) — or "always". batch_prefill: prefill pieces with one key share a forward (and the
-        layer budget; not with a drafter); False runs every piece alone (the comparison)."""
+        layer budget; not with a drafter); False runs every piece alone (the comparison). overlap: a decode step
+        launches the next one before it reads its own tokens (`_overlapped_step`; opt-in until measured on a GPU;
+        not with a drafter)."""
         if speculate not in ("auto", "always"):
             raise ValueError(f"speculate must be 'auto' or 'always', got {speculate!r}")
         self.model = model.eval()
@@ -189,6 +211,8 @@ class Engine:
                 if moe.n_routed <= 4 * moe.topk:
                     moe.moe_impl = "dense"
         _keep_fp32_weights_in_fp32(model)
+        # before the start-up profile below: its static steps are timed by phase too
+        self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
         self.step_time = step_time
         self.speculate = speculate
         self.cost_model = CostModel(lambda n: self.step_time(n))  # speculate="auto"; the curve is profiled below
@@ -203,11 +227,17 @@ class Engine:
             warm_up = getattr(drafter, "warm_up", None)
             if warm_up is not None:  # the drafter's graphs of every bucket now, not mid-run (DSparkDrafter.warm_up)
                 warm_up(self.buckets)
+            self.stats.host_s.clear()  # the profile's steps are not the engine's
         self.batch_prefill = batch_prefill and drafter is None  # a drafter's jobs capture features: run alone
+        self.overlap = overlap and drafter is None
+        self._inflight: _InFlight | None = None  # the decode step launched and not yet emitted (overlap)
+        # two pinned buffers for the in-flight steps' tokens: step t + 1 copies into one while step t's are read
+        self._inflight_host = [torch.zeros(max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
+                               for _ in range(2)] if self.overlap else []
+        self._launches = 0
         self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch,
                                    decode_tokens=decode_tokens, prefill_layers=prefill_layers,
                                    batch_pieces=batch_prefill)
-        self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
         self._ids = itertools.count()
         self._drafting: set[int] = set()  # ids of the sequences the drafter has started
 
@@ -250,11 +280,21 @@ class Engine:
         return seq
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        """One engine step: the scheduled decode batch, then the scheduled prefill pieces."""
+        """One engine step: the scheduled decode batch, then the scheduled prefill pieces. With `overlap`, a
+        decode-only step's tokens are emitted by the next call (which has launched the step after it first)."""
+        resolved: list[StepOutput] = []
+        if self._inflight is not None:
+            if self._can_continue(self._inflight):
+                return self._overlapped_step()
+            inflight, self._inflight = self._inflight, None
+            resolved = self._resolve(inflight, launched_next=False)
+        return resolved + self._step()
+
+    def _step(self) -> list[StepOutput]:
         t_schedule = time.perf_counter()
         batch = self.scheduler.schedule()
         self._phase("schedule", t_schedule)
@@ -267,6 +307,15 @@ class Engine:
             if self.drafter is not None:
                 outputs.extend(self._speculate(batch.decode))
             else:
+                if self.overlap and not batch.prefill and self._overlappable(batch.decode):
+                    self._inflight = self._launch(batch.decode)
+                    if self._inflight is not None:  # emitted by the next call
+                        self._add_decode_time(batch.decode, time.perf_counter() - t0)
+                        return outputs
+                    logits = self.io.logits[:len(batch.decode)]  # sampling failed at launch: find the row(s) now
+                    outputs.extend(self._emit(batch.decode, logits))
+                    self._add_decode_time(batch.decode, time.perf_counter() - t0)
+                    return outputs
                 logits = self._decode(batch.decode)
                 if batch.prefill:
                     # overlap: the pieces' host work (their kernel launches) runs while the device still
@@ -288,6 +337,114 @@ class Engine:
             self._add_decode_time(batch.decode, time.perf_counter() - t0)
         outputs.extend(prefill_outputs)
         return outputs
+
+    # ------------------------------------------------------------------ overlapped decode
+    def _overlappable(self, seqs: list[Sequence]) -> bool:
+        """Whether the step after these rows' next one may be launched before their tokens are known: no row
+        asks for log-probabilities (their logits would be overwritten by then), and each row's next position
+        fits the context and its pages."""
+        return all(s.params.logprobs is None and s.num_cached_tokens + 1 < self.max_seq_len for s in seqs)
+
+    def _can_continue(self, inflight: _InFlight) -> bool:
+        """The in-flight rows are the whole next batch: nothing waits, nothing prefills, no row left, and each
+        row's next token needs no new page (then the scheduler would schedule exactly these rows, in order)."""
+        running = self.scheduler.running
+        return (not self.scheduler.waiting and len(running) == len(inflight.seqs)
+                and all(s.status is SequenceStatus.RUNNING and s.job is None for s in inflight.seqs)
+                and self._overlappable(inflight.seqs) and not any(self.pages_to_grow(s, 1) for s in inflight.seqs))
+
+    def _launch(self, seqs: list[Sequence], tokens: Tensor | None = None) -> _InFlight | None:
+        """Launch the decode step of `seqs` — their pending tokens, or `tokens` (B,) on the device (the in-flight
+        step's samples) — sample it on the device and start the tokens' copy to the host; None when sampling
+        fails (the caller emits the step synchronously, which finds the failing row)."""
+        B = len(seqs)
+        host_tokens = [s.next_token for s in seqs] if tokens is None else [0] * B
+        logits = self._run_static(self.io, self.graphs, [s.cache for s in seqs], host_tokens, tokens_device=tokens)
+        for seq, token in zip(seqs, host_tokens):
+            seq.cache.tokens.append(token if tokens is None else _PENDING)  # the real id once it is read
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += B
+        t0 = time.perf_counter()
+        try:
+            sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        except Exception:  # noqa: BLE001 - `_emit` sorts out the failing row(s)
+            self._phase("sample", t0)
+            return None
+        host = self._inflight_host[self._launches % 2][:B] if self.device.type == "cuda" else None
+        self._launches += 1
+        if host is None:
+            wait = sampled.tolist
+        else:
+            host.copy_(sampled, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+
+            def wait() -> list[int]:
+                done.synchronize()
+                return host.tolist()
+        self._phase("sample", t0)
+        return _InFlight(list(seqs), logits, sampled, wait)
+
+    def _overlapped_step(self) -> list[StepOutput]:
+        """Launch the next decode step of the in-flight rows from their tokens on the device, then read and emit
+        the in-flight step's tokens while the device runs it (the host's bookkeeping leaves the device's path)."""
+        t0 = time.perf_counter()
+        inflight = self._inflight
+        self.stats.steps += 1
+        self.stats.overlapped_steps += 1
+        seqs = inflight.seqs
+        tokens = inflight.tokens
+        if inflight.rows != list(range(tokens.size(0))):  # rows ended at the last emission: their tokens out
+            tokens = tokens.index_select(0, to_device(inflight.rows, self.device))
+        nxt = self._launch(seqs, tokens=tokens)
+        outputs = self._resolve(inflight, launched_next=True)
+        if nxt is None:  # sampling the new step failed: emit it now for the rows that go on
+            rows = [b for b, s in enumerate(seqs) if not s.finished]
+            outputs.extend(self._emit([seqs[b] for b in rows], self.io.logits[:len(seqs)][rows]))
+            self._inflight = None
+        else:
+            nxt.seqs = [s for s in seqs if not s.finished]
+            nxt.rows = [b for b, s in enumerate(seqs) if not s.finished]
+            self._inflight = nxt if nxt.seqs else None
+        self._add_decode_time(seqs, time.perf_counter() - t0)
+        return outputs
+
+    def _resolve(self, inflight: _InFlight, *, launched_next: bool) -> list[StepOutput]:
+        """Read the in-flight step's tokens and emit them. With `launched_next`, each row's next step has run
+        with its token already: the host's view is put back to the plain engine's (the token not yet in the
+        cache) for the emission, and a row that ends here has that junk position dropped (its entry
+        reservation, and its window-ring slot marked empty: the slot held position − W, which no later query
+        needs) before `_finish` persists it. Rows finished meanwhile (aborted) are skipped."""
+        t0 = time.perf_counter()
+        sampled = inflight.wait()
+        self._phase("sample", t0)
+        rows = [i for i, s in enumerate(inflight.seqs) if not s.finished]
+        seqs = [inflight.seqs[i] for i in rows]
+        tokens = [sampled[inflight.rows[i]] for i in rows]
+        if launched_next:
+            for seq, token in zip(seqs, tokens):
+                seq.cache.tokens.pop()  # the pending id of `token`, fed to the step now in flight
+                if self._finishes(seq, token):
+                    self._drop_junk(seq)
+        outputs = self._emit(seqs, inflight.logits, tokens)
+        if launched_next:
+            for seq, token in zip(seqs, tokens):
+                if not seq.finished:
+                    seq.cache.tokens.append(token)
+        return outputs
+
+    def _finishes(self, seq: Sequence, token: int) -> bool:
+        """Whether `_emit` ends seq on this token (stop id, max_tokens, context)."""
+        return (token in seq.params.stop_token_ids or len(seq.output) + 1 >= seq.params.max_tokens
+                or seq.num_cached_tokens + 1 >= self.max_seq_len)
+
+    def _drop_junk(self, seq: Sequence) -> None:
+        """seq ends before the position its in-flight step wrote (position p = its token count): forget the
+        entry that step may have reserved and mark the window-ring slot it overwrote empty in every layer."""
+        cache = seq.cache
+        p = cache.n_tokens
+        cache.truncate(p)
+        self.pools.ring_positions[:, cache.slot, p % self.config.window_size] = -1
 
     def _phase(self, name: str, t0: float) -> float:
         """Add the wall time since t0 to phase `name` of `EngineStats.host_s`; returns the time now."""
@@ -449,12 +606,14 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
     def _run_static(self, io: DecodeIO, graphs: DecodeGraphs | None, caches: list[SequenceCache],
-                    tokens: list[int] | list[list[int]], drafts: Tensor | None = None) -> Tensor:
+                    tokens: list[int] | list[list[int]], drafts: Tensor | None = None,
+                    tokens_device: Tensor | None = None) -> Tensor:
         """The static step of `io` (one token or a block of io.T per row) for these caches: logits
         io.logits[:B]. Replayed from `graphs` when given, eager otherwise. drafts (B, T − 1), a device
         tensor: block positions 1 … T − 1 come from it instead of `tokens` (device → device)."""
         B = len(caches)
         t0 = time.perf_counter()
+        io.wait_sent()
         io.fill_batch(caches, tokens)
         n_entries = io.max_entries(B)
         Bb, n_max = graphs.shape(B, n_entries) if graphs is not None else (B, n_entries)
@@ -462,6 +621,8 @@ class Engine:
         io.send()
         if drafts is not None:
             io.device[io.TOK + 1:io.TOK + io.T, :B].copy_(drafts.t())
+        if tokens_device is not None:  # device → device: the tokens never visit the host before the step
+            io.device[io.TOK, :B].copy_(tokens_device)
         t0 = self._phase("prepare", t0)
         try:
             return self._launch_static(io, graphs, B, Bb, n_max, n_entries)

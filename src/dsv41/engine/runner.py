@@ -493,6 +493,7 @@ class DecodeIO:
         self.keep_host = torch.full((max_batch,), T, dtype=torch.long, pin_memory=device.type == "cuda")
         self.keep_device = torch.full((max_batch,), T, dtype=torch.long, device=device)
         self._keep_sent = torch.cuda.Event() if device.type == "cuda" else None
+        self._sent = torch.cuda.Event() if device.type == "cuda" else None
         self.pad(0)
         self.pad_device = self.host.to(device, copy=True)  # every row padding (graph warm-up)
 
@@ -548,6 +549,15 @@ class DecodeIO:
         """Host buffer and changed page tables → device (non-blocking; ordered before the step)."""
         self.device.copy_(self.host, non_blocking=True)
         self.pools.sync_tables()
+        if self._sent is not None:
+            self._sent.record()
+
+    def wait_sent(self) -> None:
+        """Before the host buffer is written again: the last `send`'s copy out of it is done. A step that waits
+        for its own tokens has waited for it already; an overlapped one (`Engine(overlap=True)`) fills the next
+        step while the device may not have reached the copy yet."""
+        if self._sent is not None:
+            self._sent.synchronize()
 
     def send_keep(self, keep: list[int]) -> None:
         """Rows [0, B) keep their first keep[b] block positions (`Runner.restore`); padding rows keep all T."""

@@ -65,6 +65,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--swa-pool", metavar="URL", help="window-snapshot pool: 'memory' or redis://HOST:PORT/DB "
                                                      "(needs --prefix-store; default with it: memory)")
     p.add_argument("--max-batch", type=int, default=32, help="sequences in the running batch (default 32)")
+    p.add_argument("--overlap", action="store_true",
+                   help="launch each decode step before the last one's tokens are read, so the host's bookkeeping "
+                        "runs beside the device (docs/engine.md; not with --speculative)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
     p.add_argument("--kv-budget-gib", type=float, default=None,
                    help="memory of the engine's KV pools, allocated once at start-up (default: half the free "
@@ -205,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
     from dsv41.engine.cli import build_speculative
 
     speculative = build_speculative(args, model, args.max_batch)  # ConfigError (exit 2) without a drafter
+    if args.overlap and speculative:
+        raise ConfigError("--overlap does not apply with --speculative (verification steps read their tokens)")
+    engine_options = {**(speculative or {}), **({"overlap": True} if args.overlap else {})}
 
     prefix_cache = None
     if args.prefix_store:
@@ -224,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     app, scheduler = build_server(model, tok, model_name=name, max_batch=args.max_batch, max_queue=args.max_queue,
                                   kv_budget_bytes=budget, timeout_s=args.timeout, api_key=keys or None,
                                   max_body_bytes=args.max_body_bytes, prefix_cache=prefix_cache,
-                                  prefill_chunk=args.prefill_chunk, engine_options=speculative,
+                                  prefill_chunk=args.prefill_chunk, engine_options=engine_options,
                                   allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
                                   cors_origins=cors, body_timeout_s=args.body_timeout,
                                   max_concurrent_tokenize=args.max_concurrent_tokenize)

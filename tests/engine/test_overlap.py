@@ -1,0 +1,150 @@
+"""`Engine(overlap=True)`: a decode step launches the next one from its tokens on the device before the host
+reads them. Claims (CPU, fp32, against the plain engine — the independent reference is the engine that waits):
+the same tokens and finish reasons for greedy and seeded sampled requests of different lengths joining and
+leaving mid-run, stops and length limits included; steps really overlap, and rows that end while their next
+step is in flight take the junk path; such a row's saved prefix resumes exactly (window pool hit) to the
+tokens a cold run gives; an abort while in flight leaves the other requests' tokens unchanged."""
+
+from __future__ import annotations
+
+import torch
+from tests.conftest import engine_test_model
+
+from dsv41.engine.engine import Engine
+from dsv41.engine.prefix import PrefixCache
+from dsv41.engine.prefix_store import InProcessSWAPool, PersistentStore
+from dsv41.engine.sampling import SamplingParams
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(model, requests, late, overlap: bool, abort_at: int | None = None, **kw):
+    """requests: (prompt, params) added at once; late: added after 4 steps. Returns (outputs, reasons, engine)."""
+    engine = Engine(model, max_batch=8, overlap=overlap, **kw)
+    seqs = [engine.add_request(p, sp) for p, sp in requests]
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if steps == 4:
+            seqs += [engine.add_request(p, sp) for p, sp in late]
+        if abort_at is not None and steps == abort_at:
+            engine.abort(seqs[0])
+    return [s.output for s in seqs], [s.finish_reason for s in seqs], engine
+
+
+def _requests(model, seed: int, stops: dict[int, int] | None = None):
+    stops = stops or {}
+    prompts = _prompts(seed, (5, 40, 130, 17, 260, 9, 70))
+    params = []
+    for i in range(len(prompts)):
+        sampled = dict(temperature=0.9, top_p=0.95, top_k=50, seed=100 + i) if i % 2 else {}
+        params.append(SamplingParams(max_tokens=(12, 30, 7, 25, 18, 30, 22)[i],
+                                     stop_token_ids=[stops[i]] if i in stops else [], **sampled))
+    return list(zip(prompts, params))
+
+
+def test_overlapped_decode_emits_the_plain_engines_tokens(monkeypatch):
+    model = engine_test_model(81)
+    base = _requests(model, 81)
+    plain, _, _ = _run(model, base[:5], base[5:], overlap=False)
+    # stop ids the requests really sample: rows end by a stop while their next step is in flight
+    stops = {0: plain[0][6], 1: plain[1][10], 3: plain[3][4], 5: plain[5][8]}
+    reqs = _requests(model, 81, stops)
+    want, want_reasons, _ = _run(model, reqs[:5], reqs[5:], overlap=False)
+    junk = []
+    drop = Engine._drop_junk
+    monkeypatch.setattr(Engine, "_drop_junk", lambda self, seq: (junk.append(seq.id), drop(self, seq))[1])
+    got, reasons, engine = _run(model, reqs[:5], reqs[5:], overlap=True)
+    assert got == want and reasons == want_reasons
+    assert "stop" in reasons and "length" in reasons
+    assert engine.stats.overlapped_steps > 20, engine.stats
+    assert len(junk) >= 4, junk  # stops and length ends taken while the next step ran
+    assert engine.pools.free_slots == engine.max_batch  # every slot back
+
+
+def test_a_row_that_stops_in_flight_persists_a_prefix_that_resumes_exactly(tmp_path):
+    model = engine_test_model(82)
+    W = model.config.window_size
+    g = torch.Generator().manual_seed(82)
+    first = torch.randint(3, 1000, (3 * W + 7,), generator=g).tolist()
+    follow_up = torch.randint(3, 1000, (W + 9,), generator=g).tolist()
+    probe = Engine(model).generate([first], max_tokens=20)[0]
+    stop = probe[11]
+    results = {}
+    for overlap in (False, True):
+        cache = PrefixCache(model.config, PersistentStore(tmp_path / str(overlap)), InProcessSWAPool())
+        engine = Engine(model, prefix_cache=cache, overlap=overlap)
+        seq = engine.add_request(first, SamplingParams(max_tokens=20, stop_token_ids=[stop]))
+        while engine.has_work():
+            engine.step()
+        assert seq.finish_reason == "stop"
+        turn2 = engine.add_request(first + seq.output + follow_up, SamplingParams(max_tokens=12))
+        while engine.has_work():
+            engine.step()
+        results[overlap] = (seq.output, turn2.output, engine.metrics(), engine.stats.overlapped_steps)
+    (out1, out2, m, n_plain), (o_out1, o_out2, o_m, n_over) = results[False], results[True]
+    cold = Engine(model).generate([first + out1 + follow_up], max_tokens=12)[0]
+    assert o_out1 == out1 == probe[:11] and o_out2 == out2 == cold
+    assert o_m["exact_resumes"] == m["exact_resumes"] == 1 and o_m["pool"]["hits"] == 1
+    assert n_plain == 0 and n_over > 5
+
+
+def test_an_abort_in_flight_leaves_the_others_unchanged():
+    model = engine_test_model(83)
+    reqs = _requests(model, 83)
+    want, _, _ = _run(model, reqs[:5], reqs[5:], overlap=False, abort_at=6)
+    got, reasons, engine = _run(model, reqs[:5], reqs[5:], overlap=True, abort_at=6)
+    assert reasons[0] == "cancelled" and got[1:] == want[1:]
+    assert engine.stats.overlapped_steps > 0 and engine.pools.free_slots == engine.max_batch
+
+
+def test_logprob_requests_are_never_overlapped():
+    model = engine_test_model(84)
+    engine = Engine(model, overlap=True)
+    prompts = _prompts(84, (10, 30))
+    plain = Engine(model).generate(prompts, max_tokens=6)
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=6, logprobs=2)) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    assert [s.output for s in seqs] == plain and engine.stats.overlapped_steps == 0
+
+
+def test_a_row_ending_in_flight_is_finished_with_the_plain_engines_cache_state(monkeypatch):
+    """What `_finish` persists: the token count and entry counts of the plain engine, and its window-ring
+    positions except the one slot the in-flight step overwrote (position p, p = the token count), which is
+    empty instead of holding p − W (no query from p on reads p − W; the snapshot never claims a token the
+    sequence does not hold)."""
+    model = engine_test_model(85)
+    W = model.config.window_size
+    base = _requests(model, 85)
+    plain, _, _ = _run(model, base[:5], base[5:], overlap=False)
+    stops = {0: plain[0][6], 2: plain[2][3], 4: plain[4][9]}
+    reqs = _requests(model, 85, stops)
+    states: dict[bool, dict[int, tuple]] = {}
+    finish = Engine._finish
+    for overlap in (False, True):
+        seen = states[overlap] = {}
+
+        def capture(self, seq, seen=seen):
+            c = seq.cache
+            seen[seq.id] = (c.n_tokens, {s: st.n_entries for s, st in c.entry_stores.items()},
+                            self.pools.ring_positions[:, c.slot].clone())
+            return finish(self, seq)
+
+        monkeypatch.setattr(Engine, "_finish", capture)
+        _run(model, reqs[:5], reqs[5:], overlap=overlap)
+    assert states[False].keys() == states[True].keys() and len(states[True]) == 7
+    junk_checked = 0
+    for sid, (n, entries, ring) in states[False].items():
+        o_n, o_entries, o_ring = states[True][sid]
+        assert (o_n, o_entries) == (n, entries), sid
+        expected = ring.clone()
+        if not torch.equal(o_ring, ring):  # the in-flight step wrote position n
+            expected[:, n % W] = -1
+            junk_checked += 1
+        assert torch.equal(o_ring, expected), sid
+    assert junk_checked >= 3

@@ -1,0 +1,44 @@
+"""`dsv41 serve --overlap` (Engine(overlap=True)): the same completions as the engine that waits — greedy and
+seeded sampling, a max_tokens end and a stop string (the server aborts the request while its next step is in
+flight) — and the steps really overlapped."""
+
+from __future__ import annotations
+
+import httpx
+from tests.server.conftest import MODEL_NAME
+
+BODIES = [
+    {"prompt": "The river ran", "max_tokens": 20, "temperature": 0},
+    {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "seed": 7},
+    {"prompt": "It is a truth", "max_tokens": 30, "temperature": 0, "stop": ["e"]},
+]
+
+
+def _complete(server) -> list[tuple[str, str]]:
+    out = []
+    with httpx.Client(timeout=60) as client:
+        for body in BODIES:
+            r = client.post(server.base_url + "/completions", json={"model": MODEL_NAME, **body})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            out.append((choice["text"], choice["finish_reason"]))
+    return out
+
+
+def test_an_overlapping_engine_serves_the_same_completions(start_server):
+    plain = start_server(max_batch=4)
+    overlapped = start_server(max_batch=4, engine_options={"overlap": True})
+    want, got = _complete(plain), _complete(overlapped)
+    assert got == want
+    assert {reason for _, reason in want} == {"length", "stop"}
+    assert overlapped.scheduler.engine.stats.overlapped_steps > 20
+    assert plain.scheduler.engine.stats.overlapped_steps == 0
+
+
+def test_serve_refuses_overlap_with_speculative_decoding(capsys):
+    from dsv41.cli import main
+
+    code = main(["serve", "--preset", "tiny", "--random-init", "--device", "cpu", "--overlap",
+                 "--speculative", "oracle"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--overlap" in err and "Traceback" not in err, err
