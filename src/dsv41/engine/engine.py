@@ -443,6 +443,7 @@ class Engine:
         entry that step may have reserved and mark the window-ring slot it overwrote empty in every layer."""
         cache = seq.cache
         p = cache.n_tokens
+        self.io.wait_sent()  # truncate may rewrite the host page table the step in flight was sent from
         cache.truncate(p)
         self.pools.ring_positions[:, cache.slot, p % self.config.window_size] = -1
 
