@@ -342,7 +342,7 @@ class Engine:
     def _overlappable(self, seqs: list[Sequence]) -> bool:
         """Whether the step after these rows' next one may be launched before their tokens are known: no row
         asks for log-probabilities (their logits would be overwritten by then), and each row's next position
-        fits the context and its pages."""
+        fits the context (pages: `_can_continue`)."""
         return all(s.params.logprobs is None and s.num_cached_tokens + 1 < self.max_seq_len for s in seqs)
 
     def _can_continue(self, inflight: _InFlight) -> bool:
@@ -426,6 +426,8 @@ class Engine:
                 seq.cache.tokens.pop()  # the pending id of `token`, fed to the step now in flight
                 if self._finishes(seq, token):
                     self._drop_junk(seq)
+        # the tokens are given and no row asks for log-probabilities: `_emit` reads no logits (these may hold
+        # the next step's already, and their rows are the step's, not `seqs`')
         outputs = self._emit(seqs, inflight.logits, tokens)
         if launched_next:
             for seq, token in zip(seqs, tokens):
