@@ -170,8 +170,41 @@ def dsv41_prefill_profile(model, n: int, device: str, chunk: int) -> dict:
         sync(device)
     wall = time.perf_counter() - t0
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {"tokens": n, "chunk": chunk, "wall_ms": wall * 1e3, "kernels": len(kernels),
-            "gpu_ms": sum(e.device_time for e in kernels) / 1e3, "top_kernels": top_kernels(kernels, 1)}
+    out = {"tokens": n, "chunk": chunk, "wall_ms": wall * 1e3, "kernels": len(kernels),
+           "gpu_ms": sum(e.device_time for e in kernels) / 1e3, "top_kernels": top_kernels(kernels, 1)}
+    out["host"] = host_profile(prof, run, device)
+    return out
+
+
+def host_profile(prof, run, device: str, k: int = 20) -> dict:
+    """Where the host's time goes in `run` (already profiled as `prof`): the host waits (stream / device
+    synchronizations and device → host copies, with their count and time), the aten ops with the most
+    self CPU time, and — from a second, unprofiled run under cProfile — the Python functions with the most
+    own time (the launch overhead of the Triton kernels and of the eager ops shows up here)."""
+    import cProfile
+    import pstats
+
+    waits: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and any(
+                w in e.name for w in ("Synchronize", "cudaMemcpy", "_local_scalar_dense", "aten::item", "nonzero")):
+            waits.setdefault(e.name, []).append(e.cpu_time_total)
+    by_self: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.key.startswith("aten::"):
+            by_self[e.key] = e.self_cpu_time_total
+    cp = cProfile.Profile()
+    cp.enable()
+    run()
+    sync(device)
+    cp.disable()
+    st = pstats.Stats(cp)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:k]  # (file, line, fn) → (cc, nc, tottime, cumtime, ...)
+    return {"waits": {name: {"count": len(t), "ms": sum(t) / 1e3} for name, t in waits.items()},
+            "top_aten_self_ms": {name: ms / 1e3 for name, ms in sorted(by_self.items(), key=lambda kv: -kv[1])[:k]},
+            "python_tottime_ms": [{"fn": f"{Path(f).name}:{line}:{fn}", "calls": nc, "tottime_ms": tt * 1e3,
+                                   "cumtime_ms": ct * 1e3} for (f, line, fn), (_, nc, tt, ct, _) in rows],
+            "cprofile_wall_ms": st.total_tt * 1e3}
 
 
 def dsv41_prefill(model, n: int, device: str, chunk: int) -> dict:

@@ -62,6 +62,8 @@ def cases(device: torch.device) -> list[dict]:
                    "d = 384: 6 chunks per token tile, coefficient loads and the hc_fn split weigh more"),
         _post_case("mhc_post decode batch", 128, 1, 5120, device, True,
                    "13 MB: L2-resident, launch-bound; 2 token tiles × 80 d spans (160 programs) + finish kernel"),
+        _post_case("mhc_post small decode B=64", 64, 1, 384, device, True,
+                   "the `small` preset's decode step (27 per step): latency-bound, a few programs"),
         _post_case("mhc_post decode B=1", 1, 1, 5120, device, True,
                    "one token: pure latency (two launches), reported for the decode step budget"),
     ]
@@ -86,5 +88,16 @@ def cases(device: torch.device) -> list[dict]:
         work=16384 * (K + 2 * N + N * N) * 4, ceiling="copy",
         triton=torch.no_grad()(lambda: fused.mhc_split(mixes, scale, base, N, 20, 1e-6)),
         torch=torch.no_grad()(lambda: twin.mhc_split(mixes, scale, base, N, 20, 1e-6)),
-        note="3 MB: launch/latency-bound (20 dependent Sinkhorn rounds in registers); the twin launches ~90 kernels"))
+        note="3 MB: launch/latency-bound (20 dependent Sinkhorn rounds in registers); the twin launches ~90 kernels",
+        sweep=lambda **knobs: fused.mhc_split(mixes, scale, base, N, 20, 1e-6, **knobs)))
+    for M in (64, 1):  # the decode step's split: one per sublayer, 24 per `small` step
+        small = mixes[0, :M]
+        out.append(dict(
+            name=f"mhc_split decode B={M}", shape=f"T={M} n={N} iters=20", unit="byte",
+            work=M * (K + 2 * N + N * N) * 4, ceiling="copy",
+            triton=torch.no_grad()(lambda small=small: fused.mhc_split(small, scale, base, N, 20, 1e-6)),
+            torch=torch.no_grad()(lambda small=small: twin.mhc_split(small, scale, base, N, 20, 1e-6)),
+            note="pure latency: the 40 dependent normalizations of a token; `split_launch` picks the tokens per "
+                 "program",
+            sweep=lambda small=small, **knobs: fused.mhc_split(small, scale, base, N, 20, 1e-6, **knobs)))
     return out

@@ -829,9 +829,18 @@ def mhc_split_backward(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, g_pre: 
     return g_mixes.reshape(*lead, K), g_scale.to(hc_scale.dtype), gz.sum(0).to(hc_base.dtype)
 
 
+def split_launch(M: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the Sinkhorn split for M tokens. Each program runs the 2·iters dependent
+    normalizations of its tokens, so its time is latency: few tokens per program, one warp. H200 sweep
+    (2026-12-04, `benchmarks/sweep.py mhc "mhc_split …"`): M = 64 and M = 1 take 4.0 µs at BLOCK 1–4
+    (the former default BLOCK = 64, 4 warps: one program of ~15 µs at M = 64); M = 16,384 is fastest at
+    BLOCK 8, 1 warp (9.3 µs; 4: 9.7, 16: 11.4, 64 with 4 warps > 12.6)."""
+    return (8 if triton.cdiv(M, 8) >= _programs_wanted(device, 1) else 2), 1
+
+
 def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int, eps: float,
-              *, block: int = 64, num_warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
-    """Sinkhorn split (see `ops.mhc_split`), BLOCK tokens per program."""
+              *, block: int | None = None, num_warps: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Sinkhorn split (see `ops.mhc_split`), BLOCK tokens per program (None: `split_launch`)."""
     n = hc_mult
     K = (2 + n) * n
     _require(n >= 1, f"mhc_split: hc_mult must be ≥ 1, got {n}")
@@ -840,13 +849,15 @@ def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, it
     _require(tuple(hc_scale.shape) == (3,), f"mhc_split: hc_scale must be (3,), got {tuple(hc_scale.shape)}")
     _require(tuple(hc_base.shape) == (K,), f"mhc_split: hc_base must be ({K},), got {tuple(hc_base.shape)}")
     _require(iters >= 0, f"mhc_split: iters must be ≥ 0, got {iters}")
-    _require(block >= 1 and block & (block - 1) == 0, f"mhc_split: block must be a power of two, got {block}")
     for name, t in (("hc_scale", hc_scale), ("hc_base", hc_base)):
         _require(t.device == mixes.device, f"mhc_split: {name} is on {t.device}, mixes on {mixes.device}")
     _require(runnable(mixes), f"mhc_split: mixes is on {mixes.device}; Triton needs CUDA (or TRITON_INTERPRET=1)")
     lead = mixes.shape[:-1]
     M = mixes[..., 0].numel()
     dev = mixes.device
+    auto_block, auto_warps = split_launch(M, dev)
+    block, num_warps = block or auto_block, num_warps or auto_warps
+    _require(block >= 1 and block & (block - 1) == 0, f"mhc_split: block must be a power of two, got {block}")
     pre = _empty((*lead, n), torch.float32, dev)
     post = _empty((*lead, n), torch.float32, dev)
     comb = _empty((*lead, n, n), torch.float32, dev)
