@@ -59,7 +59,7 @@ def test_graph_replay_equals_the_eager_static_step(monkeypatch, dtype):
 def test_the_static_decode_step_never_syncs_with_the_host():
     torch.manual_seed(51)
     model = engine_test_model(51).to("cuda", torch.bfloat16)
-    engine = Engine(model, max_batch=4, max_seq_len=1024, cuda_graphs=False)
+    engine = Engine(model, max_batch=4, max_seq_len=1024, cuda_graphs=False, overlap=False)
     seqs = [engine.add_request(torch.randint(3, 1000, (n,)).tolist(), SamplingParams(max_tokens=50))
             for n in (30, 200, 470)]
     while any(s.prefilling or s.next_token is None for s in seqs):
@@ -95,7 +95,7 @@ def test_a_prefill_piece_beside_decoding_streams_never_syncs_with_the_device():
     torch.manual_seed(52)
     model = engine_test_model(52).to("cuda", torch.bfloat16)
     V = model.config.vocab_size
-    engine = Engine(model, max_batch=8, max_seq_len=2048, prefill_chunk=256, prefill_layers=1)
+    engine = Engine(model, max_batch=8, max_seq_len=2048, prefill_chunk=256, prefill_layers=1, overlap=False)
     _, warm = _streams_and_prompt(engine, V, 900)
     while not warm.finished:
         engine.step()
@@ -127,7 +127,8 @@ def test_the_overlapped_step_emits_the_tokens_of_a_step_that_waits(monkeypatch):
         torch.manual_seed(53)
         model = engine_test_model(53).to("cuda", torch.float32)
         V = model.config.vocab_size
-        engine = Engine(model, max_batch=8, max_seq_len=2048, prefill_chunk=128, prefill_layers=2)
+        engine = Engine(model, max_batch=8, max_seq_len=2048, prefill_chunk=128, prefill_layers=2,
+                        overlap=False)
         if not overlap:
             monkeypatch.setattr(engine, "_launch_sample", lambda seqs, logits: (lambda: None))
         streams, prompt = _streams_and_prompt(engine, V, 700)
@@ -180,3 +181,8 @@ def test_overlapped_decode_with_graphs_emits_the_waiting_engines_tokens():
     want, _ = run(False, stops)
     got, overlapped = run(True, stops)
     assert got == want and overlapped > 10
+
+
+def test_a_cuda_engine_overlaps_by_default():
+    model = engine_test_model(54).to("cuda")
+    assert Engine(model, max_batch=2).overlap and not Engine(model, max_batch=2, overlap=False).overlap

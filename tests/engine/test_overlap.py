@@ -148,3 +148,15 @@ def test_a_row_ending_in_flight_is_finished_with_the_plain_engines_cache_state(m
             junk_checked += 1
         assert torch.equal(o_ring, expected), sid
     assert junk_checked >= 3
+
+
+def test_overlap_is_on_by_default_only_on_cuda_and_never_with_a_drafter():
+    """Default: on CUDA devices (`test_engine_gpu.py` checks that side); on the CPU nothing runs beside the host,
+    so the engine waits; a drafter's verification steps read their tokens, so it never overlaps."""
+    from dsv41.engine.speculative import NoisyDrafter, StepTimeCurve
+
+    model = engine_test_model(85)
+    assert not Engine(model, max_batch=2).overlap
+    assert Engine(model, max_batch=2, overlap=True).overlap
+    drafter = NoisyDrafter(model.config.vocab_size, 2)
+    assert not Engine(model, max_batch=2, overlap=True, drafter=drafter, step_time=StepTimeCurve([(1, 1.0)])).overlap

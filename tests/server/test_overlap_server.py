@@ -42,3 +42,10 @@ def test_serve_refuses_overlap_with_speculative_decoding(capsys):
                  "--speculative", "oracle"])
     err = capsys.readouterr().err
     assert code == 2 and "--overlap" in err and "Traceback" not in err, err
+
+
+def test_the_overlap_flag_parses_on_off_and_unset():
+    from dsv41.cli import build_parser
+
+    parse = lambda *flags: build_parser().parse_args(["serve", "--preset", "tiny", *flags]).overlap  # noqa: E731
+    assert parse() is None and parse("--overlap") is True and parse("--no-overlap") is False

@@ -156,7 +156,7 @@ class Engine:
                  prefix_cache: PrefixCache | None = None, max_seq_len: int | None = None,
                  max_tokens: int | None = None, cuda_graphs: bool | None = None, graph_min_entries: int = 1024,
                  page_rows: int = PAGE_ROWS, drafter: Drafter | None = None, step_time: StepTimeCurve | None = None,
-                 speculate: str = "auto", batch_prefill: bool = True, overlap: bool = False):
+                 speculate: str = "auto", batch_prefill: bool = True, overlap: bool | None = None):
         """max_seq_len bounds one sequence (default: the config's); max_tokens sizes the global-KV
         pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
         max_seq_len); token_budget = tokens per step (default prefill_chunk + max_batch); prefill_layers =
@@ -169,8 +169,9 @@ class Engine:
         emit fewer tokens per second than plain ones (`CostModel`; the drafter catches up on those
         tokens later) — or "always". batch_prefill: prefill pieces with one key share a forward (and the
         layer budget; not with a drafter); False runs every piece alone (the comparison). overlap: a decode step
-        launches the next one before it reads its own tokens (`_overlapped_step`; opt-in until measured on a GPU;
-        not with a drafter)."""
+        launches the next one before it reads its own tokens (`_overlapped_step`; default: on CUDA devices, where
+        the host's bookkeeping then runs beside the device — 0.34× → 0.50× the graphed dense peer at 64 × 4K on the
+        H200; never with a drafter)."""
         if speculate not in ("auto", "always"):
             raise ValueError(f"speculate must be 'auto' or 'always', got {speculate!r}")
         self.model = model.eval()
@@ -229,7 +230,7 @@ class Engine:
                 warm_up(self.buckets)
             self.stats.host_s.clear()  # the profile's steps are not the engine's
         self.batch_prefill = batch_prefill and drafter is None  # a drafter's jobs capture features: run alone
-        self.overlap = overlap and drafter is None
+        self.overlap = (self.device.type == "cuda" if overlap is None else overlap) and drafter is None
         self._inflight: _InFlight | None = None  # the decode step launched and not yet emitted (overlap)
         # two pinned buffers for the in-flight steps' tokens: step t + 1 copies into one while step t's are read
         self._inflight_host = [torch.zeros(max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
