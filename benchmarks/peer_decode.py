@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768])
-    ap.add_argument("--prefill-chunk", type=int, default=8192)
+    ap.add_argument("--prefill-chunk", type=int, nargs="+", default=[8192],
+                    help="prefill chunk sizes to time (each prompt at each; the fastest encoder-only one is reported)")
     ap.add_argument("--compile-cells", nargs="*", default=["1x4096", "64x32768"],
                     help="BxT cells where the peer's torch.compile path runs (each compile costs minutes)")
     ap.add_argument("--overlap-cells", nargs="*", default=["64x4096", "1x4096", "64x32768"],
@@ -436,9 +437,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(cell, default=lambda v: round(v, 4) if isinstance(v, float) else v))
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
+    best_chunk = {}
     for n in args.prefill:
-        row = {"tokens": n, "dsv41": attempt(f"dsv41 prefill {n}", lambda: dsv41_prefill(model, n, device,
-                                                                                         args.prefill_chunk))}
+        by_chunk = [r for r in (attempt(f"dsv41 prefill {n} chunk {c}", lambda c=c: {
+            "chunk": c, **dsv41_prefill(model, n, device, c)}) for c in args.prefill_chunk) if r]
+        row = {"tokens": n, "dsv41": min(by_chunk, key=lambda r: r["encoder_only_ms"]) if by_chunk else None,
+               "by_chunk": by_chunk}
+        best_chunk[n] = row["dsv41"]["chunk"] if row["dsv41"] else args.prefill_chunk[0]
         if hf is not None:
             row["peer"] = attempt(f"peer prefill {n}", lambda: peer_prefill(hf, n, device))
             if row["dsv41"] and row["peer"]:
@@ -448,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row, default=str))
     if device.startswith("cuda") and args.prefill:
         prof = attempt("prefill profile", lambda: dsv41_prefill_profile(model, max(args.prefill), device,
-                                                                       args.prefill_chunk))
+                                                                       best_chunk[max(args.prefill)]))
         if prof:
             report["prefill_profile"] = prof
             save()

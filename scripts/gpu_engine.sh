@@ -28,8 +28,9 @@ echo "===== gpu tests (exit $rc)" >>"$out/tests.log"
 tail -30 "$out/tests.log"
 fi
 if [[ $parts == *peer* ]]; then
-timeout 330 python3 benchmarks/peer_decode.py --batches 64 1 16 --contexts 4096 32768 131072 \
-    --prefill 8192 32768 --compile-cells 1x4096 64x32768 --profile 64x32768 --out "$out" >"$out/peer.log" 2>&1
+timeout 400 python3 benchmarks/peer_decode.py --batches 64 1 16 --contexts 4096 32768 131072 \
+    --overlap-cells 64x4096 1x4096 16x4096 64x32768 64x131072 --prefill 8192 32768 --prefill-chunk 8192 32768 \
+    --compile-cells 1x4096 --profile 64x4096 --out "$out" >"$out/peer.log" 2>&1
 tail -25 "$out/peer.log"
 fi
 if [[ $parts == *load* ]]; then
