@@ -7,6 +7,7 @@ tokens a cold run gives; an abort while in flight leaves the other requests' tok
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tests.conftest import engine_test_model
 
@@ -102,15 +103,37 @@ def test_an_abort_in_flight_leaves_the_others_unchanged():
     assert engine.stats.overlapped_steps > 0 and engine.pools.free_slots == engine.max_batch
 
 
-def test_logprob_requests_are_never_overlapped():
+def test_logprob_rows_overlap_with_the_waiting_engines_logprobs():
+    """Rows asking for log-probabilities (k = 0, 2, 5) beside rows that do not, greedy and sampled: the same
+    tokens, logprobs and top alternatives as the engine that waits, computed at launch (the next step
+    overwrites the logits before the tokens are read), and the steps overlapped."""
     model = engine_test_model(84)
-    engine = Engine(model, overlap=True)
-    prompts = _prompts(84, (10, 30))
-    plain = Engine(model).generate(prompts, max_tokens=6)
-    seqs = [engine.add_request(p, SamplingParams(max_tokens=6, logprobs=2)) for p in prompts]
-    while engine.has_work():
-        engine.step()
-    assert [s.output for s in seqs] == plain and engine.stats.overlapped_steps == 0
+    prompts = _prompts(84, (10, 30, 17, 44))
+    params = [SamplingParams(max_tokens=9, logprobs=2), SamplingParams(max_tokens=7),
+              SamplingParams(max_tokens=9, temperature=0.9, seed=4, logprobs=5),
+              SamplingParams(max_tokens=8, temperature=0.7, seed=5, logprobs=0)]
+
+    def run(overlap: bool):
+        engine = Engine(model, overlap=overlap)
+        seqs = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+        got = {s.id: [] for s in seqs}
+        while engine.has_work():
+            for out in engine.step():
+                got[out.request.id].append((out.token, out.logprob, out.top_logprobs))
+        return [got[s.id] for s in seqs], engine.stats.overlapped_steps
+
+    want, n_plain = run(False)
+    got, n_over = run(True)
+    assert n_plain == 0 and n_over > 5
+    for w_rows, g_rows, q in zip(want, got, params):
+        assert [t for t, _, _ in g_rows] == [t for t, _, _ in w_rows]
+        for (_, w_lp, w_top), (_, g_lp, g_top) in zip(w_rows, g_rows):
+            if q.logprobs is None:
+                assert g_lp is None and g_top is None
+                continue
+            assert g_lp == pytest.approx(w_lp, abs=1e-5) and len(g_top) == len(w_top) == q.logprobs
+            assert [i for i, _ in g_top] == [i for i, _ in w_top]
+            assert [v for _, v in g_top] == pytest.approx([v for _, v in w_top], abs=1e-5)
 
 
 def test_a_row_ending_in_flight_is_finished_with_the_plain_engines_cache_state(monkeypatch):

@@ -89,6 +89,9 @@ class _InFlight:
     tokens: Tensor
     wait: Callable[[], list[int]]
     rows: list[int] = field(default_factory=list)
+    # after `wait`: step row → (logprob, top alternatives) of the rows that asked, computed at launch (the
+    # logits buffer holds the next step's logits by the time the tokens are read)
+    logprobs: Callable[[], dict[int, tuple[float, list[tuple[int, float]]]]] = lambda: {}
 
     def __post_init__(self) -> None:
         if not self.rows:
@@ -341,10 +344,10 @@ class Engine:
 
     # ------------------------------------------------------------------ overlapped decode
     def _overlappable(self, seqs: list[Sequence]) -> bool:
-        """Whether the step after these rows' next one may be launched before their tokens are known: no row
-        asks for log-probabilities (their logits would be overwritten by then), and each row's next position
-        fits the context (pages: `_can_continue`)."""
-        return all(s.params.logprobs is None and s.num_cached_tokens + 1 < self.max_seq_len for s in seqs)
+        """Whether the step after these rows' next one may be launched before their tokens are known: each row's
+        next position fits the context (pages: `_can_continue`). Rows that ask for log-probabilities have them
+        computed on the device at launch (`_launch`), before the next step overwrites the logits."""
+        return all(s.num_cached_tokens + 1 < self.max_seq_len for s in seqs)
 
     def _can_continue(self, inflight: _InFlight) -> bool:
         """The in-flight rows are the whole next batch: nothing waits, nothing prefills, no row left, and each
@@ -371,20 +374,39 @@ class Engine:
         except Exception:  # noqa: BLE001 - `_emit` sorts out the failing row(s)
             self._phase("sample", t0)
             return None
+        asked = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+        on_device = self._launch_logprobs(seqs, logits, sampled, asked) if asked else ()
         host = self._inflight_host[self._launches % 2][:B] if self.device.type == "cuda" else None
         self._launches += 1
         if host is None:
-            wait = sampled.tolist
+            wait, lp_host = sampled.tolist, on_device
         else:
             host.copy_(sampled, non_blocking=True)
+            lp_host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                            for t in on_device)
             done = torch.cuda.Event()
             done.record()
 
             def wait() -> list[int]:
                 done.synchronize()
                 return host.tolist()
+
+        def logprobs() -> dict[int, tuple[float, list[tuple[int, float]]]]:
+            if not asked:
+                return {}
+            chosen, top_ids, top_lp = (t.tolist() for t in lp_host)
+            return {b: (chosen[j], list(zip(top_ids[j][:seqs[b].params.logprobs], top_lp[j][:seqs[b].params.logprobs])))
+                    for j, b in enumerate(asked)}
         self._phase("sample", t0)
-        return _InFlight(list(seqs), logits, sampled, wait)
+        return _InFlight(list(seqs), logits, sampled, wait, logprobs=logprobs)
+
+    def _launch_logprobs(self, seqs: list[Sequence], logits: Tensor, sampled: Tensor, asked: list[int]
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+        """(logprob, top ids, top logprobs) on the device of the step rows `asked` (`sampling.token_logprobs`
+        of the unmodified logits, as `_logprobs`), queued before the next step can overwrite the logits."""
+        index = to_device(asked, self.device)
+        k = max(seqs[b].params.logprobs for b in asked)
+        return token_logprobs(logits.index_select(0, index), sampled.index_select(0, index), k)
 
     def _overlapped_step(self) -> list[StepOutput]:
         """Launch the next decode step of the in-flight rows from their tokens on the device, then read and emit
@@ -427,9 +449,11 @@ class Engine:
                 seq.cache.tokens.pop()  # the pending id of `token`, fed to the step now in flight
                 if self._finishes(seq, token):
                     self._drop_junk(seq)
-        # the tokens are given and no row asks for log-probabilities: `_emit` reads no logits (these may hold
-        # the next step's already, and their rows are the step's, not `seqs`')
-        outputs = self._emit(seqs, inflight.logits, tokens)
+        # the tokens and log-probabilities are given: `_emit` reads no logits (these may hold the next step's
+        # already, and their rows are the step's, not `seqs`')
+        computed = inflight.logprobs()
+        logprobs = [computed.get(inflight.rows[i], (None, None)) for i in rows]
+        outputs = self._emit(seqs, inflight.logits, tokens, logprobs=logprobs)
         if launched_next:
             for seq, token in zip(seqs, tokens):
                 if not seq.finished:
@@ -911,11 +935,13 @@ class Engine:
         return tokens, None
 
     # ------------------------------------------------------------------ sampling and finishing
-    def _emit(self, seqs: list[Sequence], logits: Tensor, sampled: list[int | None] | None = None
+    def _emit(self, seqs: list[Sequence], logits: Tensor, sampled: list[int | None] | None = None,
+              logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None = None
               ) -> list[StepOutput]:
         """Sample one token per sequence from logits (B, vocab) — one call, each row with its own
         parameters and generator — and record it. A row whose sampling fails fails alone. sampled: the
-        tokens `_launch_sample` drew already (None: sample here)."""
+        tokens `_launch_sample` drew already (None: sample here); logprobs: theirs, computed already
+        (None: from logits here)."""
         tokens: list[int | None]
         t0 = time.perf_counter()
         try:
@@ -932,7 +958,8 @@ class Engine:
                     log.exception("sampling for request %d failed", seq.id)
                     tokens.append(None)
                     seq.error = f"sampling failed: {err}"
-        logprobs = self._logprobs(seqs, logits, tokens)
+        if logprobs is None:
+            logprobs = self._logprobs(seqs, logits, tokens)
         outputs = []
         for seq, token, (lp, top) in zip(seqs, tokens, logprobs):
             if token is None:
