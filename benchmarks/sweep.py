@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skip {json.dumps(knobs)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
             continue
         results.append((ms, knobs))
+        print(json.dumps(dict(ms=round(ms, 5), **knobs)), flush=True)  # as it goes: a run cut short keeps these
     results.sort(key=lambda r: r[0])
     unit = "TFLOP/s" if case["unit"] == "flop" else "GB/s"
     scale = 1e9 if case["unit"] == "flop" else 1e6
