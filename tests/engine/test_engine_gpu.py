@@ -199,21 +199,9 @@ def test_overlapped_logprob_rows_on_cuda_equal_the_waiting_engines():
     params = [SamplingParams(max_tokens=30, logprobs=3), SamplingParams(max_tokens=30, temperature=0.8, seed=2),
               SamplingParams(max_tokens=30, temperature=0.8, seed=3, logprobs=0)]
 
-    def run(overlap: bool):
-        engine = Engine(model, max_batch=4, overlap=overlap)
-        seqs = [engine.add_request(p, q) for p, q in zip(prompts, params)]
-        got = {s.id: [] for s in seqs}
-        while engine.has_work():
-            for out in engine.step():
-                got[out.request.id].append((out.token, out.logprob, out.top_logprobs))
-        return [got[s.id] for s in seqs], engine.stats.overlapped_steps
+    from tests.engine.test_overlap import assert_same_outputs, outputs_with_logprobs
 
-    want, _ = run(False)
-    got, overlapped = run(True)
+    want, _ = outputs_with_logprobs(Engine(model, max_batch=4, overlap=False), prompts, params)
+    got, overlapped = outputs_with_logprobs(Engine(model, max_batch=4, overlap=True), prompts, params)
     assert overlapped > 10
-    for w_rows, g_rows in zip(want, got):
-        assert [t for t, _, _ in g_rows] == [t for t, _, _ in w_rows]
-        for (_, w_lp, w_top), (_, g_lp, g_top) in zip(w_rows, g_rows):
-            assert (g_lp is None) == (w_lp is None) and (g_lp is None or abs(g_lp - w_lp) < 1e-5)
-            assert [i for i, _ in g_top or []] == [i for i, _ in w_top or []]
-            assert [v for _, v in g_top or []] == pytest.approx([v for _, v in w_top or []], abs=1e-5)
+    assert_same_outputs(want, got)

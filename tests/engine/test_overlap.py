@@ -113,27 +113,33 @@ def test_logprob_rows_overlap_with_the_waiting_engines_logprobs():
               SamplingParams(max_tokens=9, temperature=0.9, seed=4, logprobs=5),
               SamplingParams(max_tokens=8, temperature=0.7, seed=5, logprobs=0)]
 
-    def run(overlap: bool):
-        engine = Engine(model, overlap=overlap)
-        seqs = [engine.add_request(p, q) for p, q in zip(prompts, params)]
-        got = {s.id: [] for s in seqs}
-        while engine.has_work():
-            for out in engine.step():
-                got[out.request.id].append((out.token, out.logprob, out.top_logprobs))
-        return [got[s.id] for s in seqs], engine.stats.overlapped_steps
-
-    want, n_plain = run(False)
-    got, n_over = run(True)
+    want, n_plain = outputs_with_logprobs(Engine(model, overlap=False), prompts, params)
+    got, n_over = outputs_with_logprobs(Engine(model, overlap=True), prompts, params)
     assert n_plain == 0 and n_over > 5
-    for w_rows, g_rows, q in zip(want, got, params):
+    assert_same_outputs(want, got)
+
+
+def outputs_with_logprobs(engine: Engine, prompts, params) -> tuple[list[list[tuple]], int]:
+    """Run the requests to the end: per request its (token, logprob, top alternatives) of every step output,
+    and the engine's overlapped steps."""
+    seqs = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    got = {s.id: [] for s in seqs}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request.id].append((out.token, out.logprob, out.top_logprobs))
+    return [got[s.id] for s in seqs], engine.stats.overlapped_steps
+
+
+def assert_same_outputs(want: list[list[tuple]], got: list[list[tuple]], tol: float = 1e-5) -> None:
+    """Same tokens; logprobs and top alternatives (ids exactly, values within tol) where the waiting run had them."""
+    for w_rows, g_rows in zip(want, got, strict=True):
         assert [t for t, _, _ in g_rows] == [t for t, _, _ in w_rows]
         for (_, w_lp, w_top), (_, g_lp, g_top) in zip(w_rows, g_rows):
-            if q.logprobs is None:
-                assert g_lp is None and g_top is None
-                continue
-            assert g_lp == pytest.approx(w_lp, abs=1e-5) and len(g_top) == len(w_top) == q.logprobs
-            assert [i for i, _ in g_top] == [i for i, _ in w_top]
-            assert [v for _, v in g_top] == pytest.approx([v for _, v in w_top], abs=1e-5)
+            assert (g_lp is None) == (w_lp is None) and (g_top is None) == (w_top is None)
+            if w_lp is not None:
+                assert g_lp == pytest.approx(w_lp, abs=tol)
+                assert [i for i, _ in g_top] == [i for i, _ in w_top]
+                assert [v for _, v in g_top] == pytest.approx([v for _, v in w_top], abs=tol)
 
 
 def test_a_row_ending_in_flight_is_finished_with_the_plain_engines_cache_state(monkeypatch):
