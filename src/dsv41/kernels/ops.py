@@ -121,6 +121,8 @@ def _ref_module(family: str):
         from dsv41.kernels.ref import norm as module
     elif family == "swiglu":
         from dsv41.kernels.ref import swiglu as module
+    elif family == "router":
+        from dsv41.kernels.ref import router as module
     else:
         raise ValueError(f"no kernel family {family!r}")
     return module
@@ -336,6 +338,20 @@ def swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None = None,
     Equals `model.moe._swiglu(...).to(out_dtype)` to fp32 rounding. One kernel on CUDA."""
     fn = _impl("swiglu", "swiglu", gate, up, weight, supported=gate.dtype in _MHC_FLOATS | {torch.float16})
     return fn(gate, up, limit, weight, out_dtype)
+
+
+def moe_route(logits: Tensor, bias: Tensor, gate_temp: float, score_func: str, k: int, norm: bool,
+              route_scale: float, dense: bool = False, hook=None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The router after its matmul: scores = score_func(logits / gate_temp) ("softmax" | "sigmoid" |
+    "sqrtsoftplus"), the k experts of largest scores + bias (bias (E,), or (N, E) per row), their scores as
+    weights (divided by their sum + 1e-20 when `norm` and k > 1) times route_scale. logits (N, E) fp32 →
+    weights (N, k) fp32, indices (N, k) int64 (descending choice), scores (N, E) fp32, and with `dense` the
+    (N, E) routing matrix (each chosen expert's weight, 0 elsewhere). hook(indices) → the indices used (a
+    recorded or replayed routing; the twin runs it). One kernel on CUDA (no gradient, no hook)."""
+    if hook is not None:
+        return _ref_module("router").moe_route(logits, bias, gate_temp, score_func, k, norm, route_scale, dense, hook)
+    fn = _impl("router", "moe_route", logits, bias, supported=logits.dtype == torch.float32)
+    return fn(logits, bias, gate_temp, score_func, k, norm, route_scale, dense)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -91,23 +91,18 @@ class Gate(nn.Module):
 
     def forward(self, x: Tensor, image_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x (N, dim), image_mask (N,) bool → weights (N, k) fp32, indices (N, k), scores (N, E) fp32."""
-        scores = F.linear(x.float(), self.weight.float()) / self.gate_temp  # (N, E)
-        if self.score_func == "softmax":
-            scores = scores.softmax(dim=-1)
-        elif self.score_func == "sigmoid":
-            scores = scores.sigmoid()
-        else:
-            scores = F.softplus(scores).sqrt()
+        return self.route(x, image_mask)[:3]
+
+    def route(self, x: Tensor, image_mask: Tensor | None = None, dense: bool = False
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """`forward`, and with `dense` the (N, E) routing matrix (each chosen expert's weight, else 0). The
+        steps after the matmul are `ops.moe_route` (one kernel on CUDA at inference without a route hook)."""
+        logits = F.linear(x.float(), self.weight.float())  # (N, E)
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask[:, None], self.bias_vl, self.bias)  # (N, E)
-        indices = (scores + bias).topk(self.topk, dim=-1).indices  # (N, k)
-        if self.route_hook is not None:
-            indices = self.route_hook(indices)
-        weights = scores.gather(1, indices)  # (N, k): the bias steers the choice, not the weight
-        if self.norm_topk_prob and self.topk > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.route_scale, indices, scores
+        return ops.moe_route(logits, bias, self.gate_temp, self.score_func, self.topk, self.norm_topk_prob,
+                             self.route_scale, dense, hook=self.route_hook)
 
 
 def _swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None) -> Tensor:
@@ -357,12 +352,12 @@ class MoE(nn.Module):
         if not self.vision_enabled:
             image_mask = None  # a text-only model routes every token with `bias`
         img = image_mask.reshape(B * T) if image_mask is not None else None  # (N,)
-        weights, indices, scores = self.gate(flat, img)  # (N, k), (N, k), (N, E)
+        dense = self.moe_impl == "dense" and self.expert_dispatch is None
+        weights, indices, scores, route = self.gate.route(flat, img, dense)  # (N, k), (N, k), (N, E), (N, E)
         if self.expert_dispatch is not None:
             y = self.expert_dispatch(self, flat, weights, indices) + self.shared_experts(flat).float()
             return self._finish(y, x, scores, indices, img, token_mask)
-        if self.moe_impl == "dense":
-            route = torch.zeros_like(scores).scatter_(1, indices, weights)  # (N, E) weight of each chosen expert
+        if dense:  # route: (N, E) weight of each chosen expert
             y = self.experts.dense(flat, route) + self.shared_experts(flat).float()
             return self._finish(y, x, scores, indices, img, token_mask)
 
