@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-drafter", action="store_true",
                     help="synchronize the device around each drafter call, so drafter_s is its device time too "
                          "(the speculative run then loses the overlap of host and device: slower)")
+    ap.add_argument("--plain-overlap", choices=["auto", "on", "off"], default="auto",
+                    help="the plain engine's overlapped decode (auto: the engine's default, on with CUDA)")
+    ap.add_argument("--spec-overlap", action="store_true",
+                    help="the speculative engine overlaps the plain steps its cost model chooses (overlap=True)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
     args = ap.parse_args(argv)
@@ -273,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     for B in args.batches:
         prompts = (text[:R * B] if text else
                    torch.randint(3, c.vocab_size, (R * B, args.prompt_len), generator=g).tolist())
-        plain = Engine(model, max_batch=B, max_seq_len=max_seq_len, prefill_layers=None)
+        plain = Engine(model, max_batch=B, max_seq_len=max_seq_len, prefill_layers=None,
+                       overlap={"auto": None, "on": True, "off": False}[args.plain_overlap])
+        report["plain_overlap"] = plain.overlap
         base = decode_run(plain, prompts, args.new_tokens, args.device, args.profile_steps, None, B)
         del plain
         try:
@@ -288,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         drafter = TimedDrafter(inner, sync if args.sync_drafter else (lambda: None))
         t0 = time.perf_counter()
         spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate,
-                             prefill_layers=None)
+                             prefill_layers=None, overlap=args.spec_overlap or None)
+        report["spec_overlap"] = spec_engine.overlap
         profile_s = time.perf_counter() - t0
         spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter, B)
         st = spec_engine.stats.speculative

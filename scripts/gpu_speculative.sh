@@ -7,6 +7,8 @@
 # $OUT, else /tmp/dsv41-gpu): spec-<dtype>.log and benchmarks/speculative.py's JSON per dtype (DTYPES, default
 # fp32), and with PHASES="1 64" benchmarks/spec_phases.py's breakdown at those batches (the first dtype).
 # BATCHES (default "1 64") and SPEC_ARGS (more arguments, e.g. "--requests-per-slot 4 --tag r4") pass through.
+# The plain engine overlaps its decode steps (the default on CUDA since 2026-12-04); SPEC_ARGS="--spec-overlap"
+# lets the speculative engine overlap the plain steps its cost model chooses too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/dsv41-gpu}}"

@@ -179,13 +179,48 @@ def test_a_row_ending_in_flight_is_finished_with_the_plain_engines_cache_state(m
     assert junk_checked >= 3
 
 
-def test_overlap_is_on_by_default_only_on_cuda_and_never_with_a_drafter():
-    """Default: on CUDA devices (`test_engine_gpu.py` checks that side); on the CPU nothing runs beside the host,
-    so the engine waits; a drafter's verification steps read their tokens, so it never overlaps."""
-    from dsv41.engine.speculative import NoisyDrafter, StepTimeCurve
+def test_overlap_is_on_by_default_only_on_cuda():
+    """Default: on CUDA devices without a drafter (`test_engine_gpu.py` checks that side); on the CPU nothing runs
+    beside the host, so the engine waits unless asked; a speculative engine overlaps only when asked."""
+    from tests.engine.test_speculative import FLAT
+
+    from dsv41.engine.speculative import NoisyDrafter
 
     model = engine_test_model(85)
     assert not Engine(model, max_batch=2).overlap
     assert Engine(model, max_batch=2, overlap=True).overlap
     drafter = NoisyDrafter(model.config.vocab_size, 2)
-    assert not Engine(model, max_batch=2, overlap=True, drafter=drafter, step_time=StepTimeCurve([(1, 1.0)])).overlap
+    assert not Engine(model, max_batch=2, drafter=drafter, step_time=FLAT).overlap  # with a drafter: when asked
+    assert Engine(model, max_batch=2, drafter=drafter, step_time=FLAT, overlap=True).overlap
+
+
+def test_a_speculative_engine_overlaps_the_plain_steps_its_cost_model_chooses(monkeypatch):
+    """With a drafter, the plain steps `speculate="auto"` chooses overlap and verification steps do not: the
+    cost model's choice forced by state (three plain steps, then a verification, again), the waiting and the
+    overlapping speculative engines make the same choices and emit plain greedy decoding's tokens, and the
+    drafter, a script of that greedy output that counts the tokens it observed, has every draft accepted — it
+    was handed every plainly decoded token (`_catch_up`), none of the in-flight placeholders."""
+    from tests.engine.test_speculative import FLAT, ScriptedDrafter
+
+    model = engine_test_model(86)
+    prompts = _prompts(86, (5, 40, 21))
+    max_tokens = [24, 15, 20]
+    plain = [Engine(model, max_batch=1, max_seq_len=128).generate([p], max_tokens=m)[0]
+             for p, m in zip(prompts, max_tokens)]
+    monkeypatch.setattr(Engine, "_worth_drafting", lambda self, seqs: (
+        self.stats.speculative.plain_steps >= 3 * (self.stats.speculative.forwards + 1)))
+    runs = {}
+    for overlap in (False, True):
+        drafter = ScriptedDrafter(4, {tuple(p): o for p, o in zip(prompts, plain)})
+        engine = Engine(model, max_batch=4, max_seq_len=128, drafter=drafter, step_time=FLAT, overlap=overlap)
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts, max_tokens)]
+        while engine.has_work():
+            engine.step()
+        runs[overlap] = ([s.output for s in seqs], engine.stats)
+    (want, waiting), (got, overlapped) = runs[False], runs[True]
+    assert got == want == plain
+    assert waiting.overlapped_steps == 0 and overlapped.overlapped_steps >= 4
+    sw, so = waiting.speculative, overlapped.speculative
+    assert so.forwards == sw.forwards >= 3
+    assert so.plain_steps - sw.plain_steps in (0, 1)  # + the last launch, when every row ended in flight
+    assert so.accepted == so.drafted > 0 and sw.accepted == sw.drafted

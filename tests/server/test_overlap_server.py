@@ -35,15 +35,6 @@ def test_an_overlapping_engine_serves_the_same_completions(start_server):
     assert plain.scheduler.engine.stats.overlapped_steps == 0
 
 
-def test_serve_refuses_overlap_with_speculative_decoding(capsys):
-    from dsv41.cli import main
-
-    code = main(["serve", "--preset", "tiny", "--random-init", "--device", "cpu", "--overlap",
-                 "--speculative", "oracle"])
-    err = capsys.readouterr().err
-    assert code == 2 and "--overlap" in err and "Traceback" not in err, err
-
-
 def test_the_overlap_flag_parses_on_off_and_unset():
     from dsv41.cli import build_parser
 

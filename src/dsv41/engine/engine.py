@@ -174,7 +174,8 @@ class Engine:
         layer budget; not with a drafter); False runs every piece alone (the comparison). overlap: a decode step
         launches the next one before it reads its own tokens (`_overlapped_step`; default: on CUDA devices, where
         the host's bookkeeping then runs beside the device — 0.34× → 0.50× the graphed dense peer at 64 × 4K on the
-        H200; never with a drafter)."""
+        H200; with a drafter — opt-in, overlap=True — the plain steps its cost model chooses overlap, verification
+        steps never)."""
         if speculate not in ("auto", "always"):
             raise ValueError(f"speculate must be 'auto' or 'always', got {speculate!r}")
         self.model = model.eval()
@@ -233,7 +234,8 @@ class Engine:
                 warm_up(self.buckets)
             self.stats.host_s.clear()  # the profile's steps are not the engine's
         self.batch_prefill = batch_prefill and drafter is None  # a drafter's jobs capture features: run alone
-        self.overlap = (self.device.type == "cuda" if overlap is None else overlap) and drafter is None
+        # default: on CUDA; with a drafter only when asked, until it has run on a GPU (CPU-tested)
+        self.overlap = (self.device.type == "cuda" and drafter is None) if overlap is None else overlap
         self._inflight: _InFlight | None = None  # the decode step launched and not yet emitted (overlap)
         # two pinned buffers for the in-flight steps' tokens: step t + 1 copies into one while step t's are read
         self._inflight_host = [torch.zeros(max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
@@ -308,10 +310,11 @@ class Engine:
         pending = None  # the decode batch's sampled tokens on their way to the host, while the pieces launch
         if batch.decode:
             t0 = time.perf_counter()
-            if self.drafter is not None:
+            overlapped = self.overlap and not batch.prefill and self._overlappable(batch.decode)
+            if self.drafter is not None and not (overlapped and self._decides_plain(batch.decode)):
                 outputs.extend(self._speculate(batch.decode))
             else:
-                if self.overlap and not batch.prefill and self._overlappable(batch.decode):
+                if overlapped:  # with a drafter: the cost model chose plain steps (`_decides_plain`)
                     self._inflight = self._launch(batch.decode)
                     if self._inflight is not None:  # emitted by the next call
                         self._add_decode_time(batch.decode, time.perf_counter() - t0)
@@ -355,7 +358,15 @@ class Engine:
         running = self.scheduler.running
         return (not self.scheduler.waiting and len(running) == len(inflight.seqs)
                 and all(s.status is SequenceStatus.RUNNING and s.job is None for s in inflight.seqs)
-                and self._overlappable(inflight.seqs) and not any(self.pages_to_grow(s, 1) for s in inflight.seqs))
+                and self._overlappable(inflight.seqs) and not any(self.pages_to_grow(s, 1) for s in inflight.seqs)
+                and (self.drafter is None or self._decides_plain(inflight.seqs)))
+
+    def _decides_plain(self, seqs: list[Sequence]) -> bool:
+        """With a drafter: whether the next step of these rows is a plain one (`speculate="auto"` and the cost
+        model says so, where a static verification step would run — `_speculate`'s own test)."""
+        if self.speculate != "auto" or self.vio is None:
+            return False
+        return self._verify_caps(seqs)[1] >= self.drafter.k and not self._worth_drafting(seqs)
 
     def _launch(self, seqs: list[Sequence], tokens: Tensor | None = None) -> _InFlight | None:
         """Launch the decode step of `seqs` — their pending tokens, or `tokens` (B,) on the device (the in-flight
@@ -368,6 +379,9 @@ class Engine:
             seq.cache.tokens.append(token if tokens is None else _PENDING)  # the real id once it is read
         self.stats.decode_steps += 1
         self.stats.decode_tokens += B
+        if self.drafter is not None:  # a plain step the cost model chose (the drafter catches up later)
+            self.stats.speculative.plain_steps += 1
+            self.stats.speculative.plain_tokens += B
         t0 = time.perf_counter()
         try:
             sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
@@ -429,7 +443,10 @@ class Engine:
             nxt.seqs = [s for s in seqs if not s.finished]
             nxt.rows = [b for b, s in enumerate(seqs) if not s.finished]
             self._inflight = nxt if nxt.seqs else None
-        self._add_decode_time(seqs, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        if self.drafter is not None:  # an overlapped step's wall time is what a plain step costs the stream
+            self._measure("plain", len(seqs), elapsed, len(seqs))
+        self._add_decode_time(seqs, elapsed)
         return outputs
 
     def _resolve(self, inflight: _InFlight, *, launched_next: bool) -> list[StepOutput]:

@@ -67,7 +67,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=32, help="sequences in the running batch (default 32)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each decode step before the last one's tokens are read, so the host's bookkeeping "
-                        "runs beside the device (docs/engine.md; default: on with CUDA, never with --speculative)")
+                        "runs beside the device (docs/engine.md; default: on with CUDA, off with --speculative, "
+                        "where --overlap overlaps the plain steps its cost model chooses)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
     p.add_argument("--kv-budget-gib", type=float, default=None,
                    help="memory of the engine's KV pools, allocated once at start-up (default: half the free "
@@ -208,8 +209,6 @@ def run(args: argparse.Namespace) -> int:
     from dsv41.engine.cli import build_speculative
 
     speculative = build_speculative(args, model, args.max_batch)  # ConfigError (exit 2) without a drafter
-    if args.overlap and speculative:
-        raise ConfigError("--overlap does not apply with --speculative (verification steps read their tokens)")
     engine_options = {**(speculative or {}), **({"overlap": args.overlap} if args.overlap is not None else {})}
 
     prefix_cache = None
