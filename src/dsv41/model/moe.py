@@ -235,7 +235,7 @@ class GroupedExperts(nn.Module):
         u = F.linear(a, self.w3.to(dtype).view(E * inter, -1))
         h = ops.swiglu(g, u, self.swiglu_limit, route, dtype).view(N, E, inter)  # each expert's block × its weight
         out = torch.bmm(h.transpose(0, 1), self.w2.to(dtype).transpose(1, 2))  # (E, N, dim)
-        return out.float().sum(0)
+        return out.sum(0, dtype=torch.float32)  # the fp32 sum reads the compute dtype: no fp32 copy first
 
     def _loop(self, xs: Tensor, ws: Tensor, counts: Tensor) -> Tensor:
         outs = []
@@ -355,10 +355,10 @@ class MoE(nn.Module):
         dense = self.moe_impl == "dense" and self.expert_dispatch is None
         weights, indices, scores, route = self.gate.route(flat, img, dense)  # (N, k), (N, k), (N, E), (N, E)
         if self.expert_dispatch is not None:
-            y = self.expert_dispatch(self, flat, weights, indices) + self.shared_experts(flat).float()
+            y = torch.add(self.expert_dispatch(self, flat, weights, indices), self.shared_experts(flat))  # fp32
             return self._finish(y, x, scores, indices, img, token_mask)
         if dense:  # route: (N, E) weight of each chosen expert
-            y = self.experts.dense(flat, route) + self.shared_experts(flat).float()
+            y = torch.add(self.experts.dense(flat, route), self.shared_experts(flat))  # fp32 + the compute dtype
             return self._finish(y, x, scores, indices, img, token_mask)
 
         # Sort the N·k (token, slot) pairs by expert: each expert's rows become one contiguous segment.
@@ -372,8 +372,8 @@ class MoE(nn.Module):
         ws = weights.reshape(-1, 1).index_select(0, order)  # (N·k, 1) fp32
         out = self.experts(xs, ws, counts, grouped=_use_grouped(self.moe_impl, x))  # (N·k, dim), expert-sorted
         out = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, slot) order
-        y = out.float().view(B * T, k, dim).sum(dim=1)  # (N, dim) fp32
-        y = y + self.shared_experts(flat).float()
+        y = out.view(B * T, k, dim).sum(dim=1, dtype=torch.float32)  # (N, dim) fp32
+        y = torch.add(y, self.shared_experts(flat))  # fp32: the promotion casts in the add (one kernel, no copy)
         return self._finish(y, x, scores, indices, img, token_mask)
 
     def _finish(self, y: Tensor, x: Tensor, scores: Tensor, indices: Tensor, img: Tensor | None,
