@@ -41,10 +41,10 @@ def spy_logits(monkeypatch) -> dict[int, list[torch.Tensor]]:
     seen: dict[int, list[torch.Tensor]] = defaultdict(list)
     emit = Engine._emit
 
-    def spy(self, seqs, logits, *sampled):
+    def spy(self, seqs, logits, *sampled, **kw):
         for seq, row in zip(seqs, logits):
             seen[seq.id].append(row.detach().clone())
-        return emit(self, seqs, logits, *sampled)
+        return emit(self, seqs, logits, *sampled, **kw)
 
     monkeypatch.setattr(Engine, "_emit", spy)
     return seen
@@ -258,3 +258,51 @@ def test_logprobs_are_the_log_softmax_of_the_step_logits_and_a_failing_row_fails
         assert max(abs(lp - v) for (_, lp), v in zip(out.top_logprobs, top.values.tolist())) < 1e-5
     assert all(o.logprob is None for o in outs if o.request is plain)
     assert engine.pools.free_slots == engine.pools.max_slots
+
+
+def test_an_idle_engine_prefills_in_big_chunks_and_a_busy_one_in_its_chunks(monkeypatch):
+    """`idle_prefill_chunk`: a step without decode rows takes chunks (and a token budget) of up to that many
+    tokens, a step beside decoding streams its `prefill_chunk` (encoder chunks; the decoder replay is n_win
+    tokens either way); the tokens equal an engine without it."""
+    from dsv41.engine.scheduler import Scheduler
+
+    model = engine_test_model(91)
+    g = torch.Generator().manual_seed(91)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (150, 90, 120)]
+    schedule, seen = Scheduler.schedule, []
+
+    def spy(self):
+        batch = schedule(self)
+        seen.append((bool(batch.decode), [p.tokens for _, p in batch.prefill if p.new and p.kind != "decoder"]))
+        return batch
+
+    monkeypatch.setattr(Scheduler, "schedule", spy)
+    outs = {}
+    for idle in (0, 128):
+        seen.clear()
+        engine = Engine(model, max_batch=4, prefill_chunk=16, idle_prefill_chunk=idle, prefill_layers=2)
+        seqs = [engine.add_request(prompts[0], SamplingParams(max_tokens=12))]
+        for i in range(40):  # the others arrive while the first one decodes
+            if i in (3, 6):
+                seqs.append(engine.add_request(prompts[len(seqs)], SamplingParams(max_tokens=8)))
+            if engine.has_work():
+                engine.step()
+        while engine.has_work():
+            engine.step()
+        outs[idle] = ([s.output for s in seqs], list(seen))
+    (plain, plain_seen), (boosted, boosted_seen) = outs[0], outs[128]
+    assert boosted == plain
+    assert all(n <= 16 for _, chunks in plain_seen for n in chunks)
+    idle_chunks = [n for busy, chunks in boosted_seen if not busy for n in chunks]
+    busy_chunks = [n for busy, chunks in boosted_seen if busy for n in chunks]
+    assert idle_chunks[:2] == [128, 22], boosted_seen[:4]  # the lone 150-token prompt: two chunks, not ten
+    assert busy_chunks and max(busy_chunks) <= 16  # beside decoding streams: the engine's chunk
+
+
+def test_idle_prefill_chunk_is_refused_when_negative():
+    from dsv41.engine.scheduler import Scheduler
+
+    with pytest.raises(ValueError, match="idle_prefill_chunk"):
+        Engine(engine_test_model(92), max_batch=2, idle_prefill_chunk=-1)
+    with pytest.raises(ValueError, match="idle_chunk"):
+        Scheduler(None, idle_chunk=0)

@@ -5,6 +5,7 @@ flight) — and the steps really overlapped."""
 from __future__ import annotations
 
 import httpx
+import pytest
 from tests.server.conftest import MODEL_NAME
 
 BODIES = [
@@ -40,3 +41,16 @@ def test_the_overlap_flag_parses_on_off_and_unset():
 
     parse = lambda *flags: build_parser().parse_args(["serve", "--preset", "tiny", *flags]).overlap  # noqa: E731
     assert parse() is None and parse("--overlap") is True and parse("--no-overlap") is False
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--idle-prefill-chunk", "-1"],
+    ["serve", "--prefill-chunk", "0"],
+    ["generate", "--prompt", "hi", "--idle-prefill-chunk", "-2"],
+])
+def test_bad_prefill_chunks_exit_2_in_one_line(argv, capsys):
+    from dsv41.cli import main
+
+    code = main([*argv, "--preset", "tiny", "--random-init", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "chunk" in err and "Traceback" not in err, err

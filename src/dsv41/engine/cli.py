@@ -54,6 +54,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     p.add_argument("--exact-prefill", action="store_true", help="run every layer over every prompt token")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument("--idle-prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens per chunk in a step without decoding streams (default on CUDA: "
+                        "max(--prefill-chunk, 16384); 0: off; docs/engine.md)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights and activations: auto (default) = bf16 on CUDA (the head, routers, "
@@ -198,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.prefill_chunk < 1 or (args.idle_prefill_chunk is not None and args.idle_prefill_chunk < 0):
+        raise ConfigError(f"--prefill-chunk must be >= 1 and --idle-prefill-chunk >= 0, got {args.prefill_chunk}, "
+                          f"{args.idle_prefill_chunk}")
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 max_tokens=args.max_tokens, seed=args.seed)
@@ -215,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     params.stop_token_ids = [tok.eos_id] + ([tok.end_turn_id] if getattr(args, "chat", False) else [])
     speculative = build_speculative(args, model, 1)  # one request: one row to profile and draft for
     options = dict(max_batch=1, **speculative) if speculative else {}
-    engine = Engine(model, prefill_chunk=args.prefill_chunk, **options)
+    engine = Engine(model, prefill_chunk=args.prefill_chunk, idle_prefill_chunk=args.idle_prefill_chunk, **options)
     try:
         req = engine.add_request(prompt, params, exact_prefill=args.exact_prefill, images=images or None)
     except ValueError as e:  # images that do not fit the prompt

@@ -76,6 +76,7 @@ class StepOutput:
     error: str | None = None
 
 
+IDLE_PREFILL_CHUNK = 16384  # `Engine(idle_prefill_chunk=None)` on CUDA: the chunk of a step without decode rows
 _PENDING = -1  # a cache's token id that an in-flight step is still computing (`Engine(overlap=True)`)
 
 
@@ -159,7 +160,8 @@ class Engine:
                  prefix_cache: PrefixCache | None = None, max_seq_len: int | None = None,
                  max_tokens: int | None = None, cuda_graphs: bool | None = None, graph_min_entries: int = 1024,
                  page_rows: int = PAGE_ROWS, drafter: Drafter | None = None, step_time: StepTimeCurve | None = None,
-                 speculate: str = "auto", batch_prefill: bool = True, overlap: bool | None = None):
+                 speculate: str = "auto", batch_prefill: bool = True, overlap: bool | None = None,
+                 idle_prefill_chunk: int | None = None):
         """max_seq_len bounds one sequence (default: the config's); max_tokens sizes the global-KV
         pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
         max_seq_len); token_budget = tokens per step (default prefill_chunk + max_batch); prefill_layers =
@@ -170,8 +172,11 @@ class Engine:
         step_time: its step-time curve (default: profiled here on the static steps, `profile_step_time`);
         speculate: "auto" — a step decodes plainly when the measured speculative steps at this batch size
         emit fewer tokens per second than plain ones (`CostModel`; the drafter catches up on those
-        tokens later) — or "always". batch_prefill: prefill pieces with one key share a forward (and the
-        layer budget; not with a drafter); False runs every piece alone (the comparison). overlap: a decode step
+        tokens later) — or "always". idle_prefill_chunk: the chunk (and token budget) of a step without decode
+        rows (`Scheduler`: a lone prompt prefills in few big chunks; default on CUDA max(prefill_chunk, 16384) —
+        a chunk's host cost is its launches, not its tokens — off elsewhere; 0: off). batch_prefill: prefill
+        pieces with one key share a forward (and the layer budget; not with a drafter); False runs every piece
+        alone (the comparison). overlap: a decode step
         launches the next one before it reads its own tokens (`_overlapped_step`; default: on CUDA devices, where
         the host's bookkeeping then runs beside the device — 0.34× → 0.50× the graphed dense peer at 64 × 4K on the
         H200; with a drafter — opt-in, overlap=True — the plain steps its cost model chooses overlap, verification
@@ -241,9 +246,13 @@ class Engine:
         self._inflight_host = [torch.zeros(max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
                                for _ in range(2)] if self.overlap else []
         self._launches = 0
+        if idle_prefill_chunk is None:
+            idle_prefill_chunk = max(prefill_chunk, IDLE_PREFILL_CHUNK) if self.device.type == "cuda" else 0
+        if idle_prefill_chunk < 0:
+            raise ValueError(f"idle_prefill_chunk must be >= 0 (0: off), got {idle_prefill_chunk}")
         self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch,
                                    decode_tokens=decode_tokens, prefill_layers=prefill_layers,
-                                   batch_pieces=batch_prefill)
+                                   batch_pieces=batch_prefill, idle_chunk=idle_prefill_chunk or None)
         self._ids = itertools.count()
         self._drafting: set[int] = set()  # ids of the sequences the drafter has started
 

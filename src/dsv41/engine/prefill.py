@@ -195,12 +195,13 @@ class PrefillJob:
         started = self.run is not None and self.run.kind == "decoder"
         return left + (0 if self.exact or started else self._n_replay())
 
-    def plan(self, budget: int, alone: bool = True, layers: int | None = None) -> list[Piece]:
+    def plan(self, budget: int, alone: bool = True, layers: int | None = None, chunk: int | None = None
+             ) -> list[Piece]:
         """The next pieces (in order; what `step` runs) within `budget` new tokens and `layers` layer
         passes (None: no layer bound). The pieces of the run in progress cost no tokens; a new run
         never straddles the replayed / new-token boundary; the decoder replay starts only when its
         n_win tokens fit the budget, or over budget when `alone` (nothing else runs in the step)
-        and it is the first piece."""
+        and it is the first piece. chunk: the longest new run (default: the job's `chunk`)."""
         pieces: list[Piece] = []
         layer_left = float("inf") if layers is None else layers
         cur, run = self.cursor, self.run
@@ -218,7 +219,7 @@ class PrefillJob:
                     kind, left = "decoder", self.runner.config.n_layers - self.runner.config.encoder_layers
                     at = self.runner.config.encoder_layers
                 else:
-                    T = min(self.n_total - cur, self.chunk, budget)
+                    T = min(self.n_total - cur, chunk or self.chunk, budget)
                     if cur < self.start0:
                         T = min(T, self.start0 - cur)
                     if T <= 0:

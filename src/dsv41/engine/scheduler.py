@@ -18,6 +18,13 @@ piece already scheduled this step (same kind, tokens, first layer and layers; `P
 the engine runs the two as one batched forward, so the rider costs its tokens but no layer budget — the
 step's host time is that of its forwards, not of its rows.
 
+A step without decode rows (an idle engine, a burst of new requests) has a larger token budget and chunk,
+`idle_chunk` (`Engine(idle_prefill_chunk=)`): a lone long prompt is prefilled in few big chunks, since a
+chunk's host cost (its kernel launches) does not grow with its tokens — on the H200 a 32K prompt took 160 ms
+in 8K chunks and 63 ms in one (`results/peer_decode-2026-12-04-final.json`). A stream that starts decoding
+while such a chunk is part-way through its layers waits on its remaining pieces (at most `prefill_layers`
+layer passes a step, as for any run).
+
 Memory: the engine's pools are fixed. A decode token that needs a page when none is free
 preempts the most recently admitted running sequence (its cache is swapped to the host; it
 returns to the head of the queue); admission is FIFO without overtaking and only when the
@@ -82,10 +89,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, capacity: Capacity, *, max_batch: int = 64, token_budget: int = 2048, decode_tokens: int = 1,
-                 prefill_layers: int | None = None, batch_pieces: bool = False):
+                 prefill_layers: int | None = None, batch_pieces: bool = False, idle_chunk: int | None = None):
         if max_batch < 1 or token_budget < 1 or decode_tokens < 1:
             raise ValueError(f"max_batch, token_budget and decode_tokens must be >= 1, got {max_batch}, "
                              f"{token_budget}, {decode_tokens}")
+        if idle_chunk is not None and idle_chunk < 1:
+            raise ValueError(f"idle_chunk must be >= 1 (or None: off), got {idle_chunk}")
+        self.idle_chunk = idle_chunk  # a step without decode rows: chunks (and budget) of up to this many tokens
+        self._chunk: int | None = None  # this step's chunk bound (None: each job's own)
         if prefill_layers is not None and prefill_layers < 1:
             raise ValueError(f"prefill_layers must be >= 1 (or None: no layer bound), got {prefill_layers}")
         self.capacity = capacity
@@ -130,8 +141,13 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 out.decode.append(seq)
         budget -= len(out.decode) * self.decode_tokens
-        # the layer bound protects decoding streams' gaps; a step without them runs its pieces whole
+        # the layer bound protects decoding streams' gaps; a step without them runs its pieces whole, and in
+        # chunks of up to idle_chunk tokens
         layers = self.prefill_layers if out.decode else None
+        self._chunk = None
+        if not out.decode and self.idle_chunk:
+            self._chunk = self.idle_chunk
+            budget = max(budget, self.idle_chunk)
         # 2. the next pieces of every sequence still prefilling, oldest first (a run in progress
         #    continues whatever the token budget: its tokens were counted when it started)
         for seq in self.running:
@@ -164,7 +180,7 @@ class Scheduler:
         """Schedule the prefill pieces of `seq` that fit in the token and layer budgets; returns what is
         left of both. Pages are claimed for every chunk a piece belongs to (taken by its Full layers)."""
         rider = self._ride(seq, budget) if layers is not None else None
-        pieces = rider or seq.job.plan(budget, alone=not out, layers=layers)
+        pieces = rider or seq.job.plan(budget, alone=not out, layers=layers, chunk=self._chunk)
         while pieces and not plan.claim(seq, self.capacity.pages_to_grow(seq, sum(p.grows for p in pieces))):
             pieces.pop()  # waits for pages (a later step, or after a finish frees some)
         out.prefill.extend((seq, p) for p in pieces)
@@ -182,7 +198,7 @@ class Scheduler:
         if not (self.batch_pieces and self._keys and seq.job.batchable):
             return None
         for n_layers in sorted({key[3] for key in self._keys}, reverse=True):
-            pieces = seq.job.plan(budget, alone=False, layers=n_layers)
+            pieces = seq.job.plan(budget, alone=False, layers=n_layers, chunk=self._chunk)
             if len(pieces) == 1 and pieces[0].key in self._keys:
                 return pieces
         return None

@@ -78,6 +78,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "finish_reason 'length' (default 600; 0 = none)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body limit → 413 (default 8 MiB)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument("--idle-prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens per chunk in a step without decoding streams (default on CUDA: "
+                        "max(--prefill-chunk, 16384); 0: off; docs/engine.md)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights and activations: auto (default) = bf16 on CUDA (the head, routers, "
@@ -180,9 +183,12 @@ def run(args: argparse.Namespace) -> int:
     keys = args.api_key or [k for k in os.environ.get("DSV41_API_KEY", "").split(",") if k]
     if any(not k.strip() for k in keys):
         raise ConfigError("--api-key must not be empty")
-    for name in ("max_batch", "max_queue", "max_body_bytes", "prefix_stride", "max_concurrent_tokenize"):
+    for name in ("max_batch", "max_queue", "max_body_bytes", "prefix_stride", "max_concurrent_tokenize",
+                 "prefill_chunk"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.idle_prefill_chunk is not None and args.idle_prefill_chunk < 0:
+        raise ConfigError(f"--idle-prefill-chunk must be >= 0 (0: off), got {args.idle_prefill_chunk}")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.timeout < 0 or (args.kv_budget_gib is not None and args.kv_budget_gib <= 0):
@@ -209,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
     from dsv41.engine.cli import build_speculative
 
     speculative = build_speculative(args, model, args.max_batch)  # ConfigError (exit 2) without a drafter
-    engine_options = {**(speculative or {}), **({"overlap": args.overlap} if args.overlap is not None else {})}
+    chosen = {"overlap": args.overlap, "idle_prefill_chunk": args.idle_prefill_chunk}
+    engine_options = {**(speculative or {}), **{k: v for k, v in chosen.items() if v is not None}}
 
     prefix_cache = None
     if args.prefix_store:
