@@ -306,3 +306,27 @@ def test_idle_prefill_chunk_is_refused_when_negative():
         Engine(engine_test_model(92), max_batch=2, idle_prefill_chunk=-1)
     with pytest.raises(ValueError, match="idle_chunk"):
         Scheduler(None, idle_chunk=0)
+
+
+def test_a_big_chunk_keeps_its_indexer_scores_bounded(monkeypatch):
+    """An idle step's chunk shrinks where the entries visible at its end make T × entries × 4 B exceed the bound
+    (r = the smallest index-source ratio), and never below the job's own chunk."""
+    import math
+
+    from dsv41.engine import prefill as prefill_module
+
+    model = engine_test_model(93)
+    c = model.config
+    r = min(c.compress_ratios[i] for i in c.index_source_layers if c.compress_ratios[i] > 0)
+    monkeypatch.setattr(prefill_module, "IDLE_SCORE_BYTES", 4 * 300 * 300 // r)  # T = 300 from the start
+    runner = Runner(model)
+    job = PrefillJob(runner, SequenceCache(c), list(range(3, 2003)), chunk=64)
+    first = job.plan(10_000, chunk=5_000)[0]
+    assert first.tokens == 300
+    job.cursor = 1_000  # later in the prompt: more entries visible, a shorter chunk
+    later = job.plan(10_000, chunk=5_000)[0]
+    bound = (-1000 + math.sqrt(1000 ** 2 + prefill_module.IDLE_SCORE_BYTES * r)) / 2
+    assert later.tokens == max(64, int(bound)) and later.tokens < 300
+    monkeypatch.setattr(prefill_module, "IDLE_SCORE_BYTES", 1)
+    assert job.plan(10_000, chunk=5_000)[0].tokens == 64  # never below the job's chunk
+    assert job.plan(10_000)[0].tokens == 64  # without an idle chunk: the job's own

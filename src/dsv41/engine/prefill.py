@@ -24,6 +24,7 @@ step); `prefill` runs one to completion.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -125,6 +126,11 @@ class _Run:
         return self.layers.stop - self.next_layer
 
 
+# the indexer-score bound of a chunk longer than the job's own (`PrefillJob.plan`): 4 GiB of fp32 scores (and
+# twice that of the top-k's int64 keys) for one index layer at a time
+IDLE_SCORE_BYTES = 4 << 30
+
+
 class PrefillJob:
     """One sequence's prefill of `tokens` (appended after what seq already holds), in pieces.
 
@@ -220,6 +226,8 @@ class PrefillJob:
                     at = self.runner.config.encoder_layers
                 else:
                     T = min(self.n_total - cur, chunk or self.chunk, budget)
+                    if chunk is not None and T > self.chunk:  # a big chunk: its indexer scores stay bounded
+                        T = max(self.chunk, min(T, self._score_bound(cur)))
                     if cur < self.start0:
                         T = min(T, self.start0 - cur)
                     if T <= 0:
@@ -235,6 +243,16 @@ class PrefillJob:
             layer_left -= k
             new = False
         return pieces
+
+    def _score_bound(self, cur: int) -> int:
+        """The longest chunk from position `cur` whose indexer scores — T queries × the entries visible at its
+        end, fp32, one index layer at a time — stay within IDLE_SCORE_BYTES: T·(cur + T)/r·4 ≤ B, r the smallest
+        ratio of an index source (32,768 tokens from the start at r = 1, 8,192 at 128K, 1,024 at 1M)."""
+        c = self.runner.config
+        ratios = [c.compress_ratios[i] for i in c.index_source_layers if c.compress_ratios[i] > 0]
+        if not ratios:
+            return self.n_total
+        return int((-cur + math.sqrt(cur * cur + IDLE_SCORE_BYTES * min(ratios))) / 2)
 
     def _n_replay(self) -> int:
         return self.n_total - max(self.first, self.n_total - self.runner.config.window_size)
