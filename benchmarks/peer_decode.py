@@ -40,9 +40,10 @@ from results_file import dated_path  # noqa: E402
 from dsv41 import load_config  # noqa: E402
 from dsv41.accounting import compute
 from dsv41.engine.cache import SequenceCache, private_pools
-from dsv41.engine.engine import Engine, cast_for_engine
+from dsv41.engine.engine import IDLE_PREFILL_CHUNK, Engine, cast_for_engine
 from dsv41.engine.prefill import prefill
 from dsv41.engine.runner import Runner
+from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.synthetic import synthetic_running
 from dsv41.model.transformer import Transformer
 
@@ -223,6 +224,26 @@ def dsv41_prefill(model, n: int, device: str, chunk: int) -> dict:
             "encoder_only_tok_s": n / enc}
 
 
+def dsv41_ttft(model, n: int, device: str, idle_chunks: list[int]) -> dict:
+    """Time to the first token of one n-token prompt through `Engine.step()` (scheduler, prefill pieces,
+    sampling): with each `idle_prefill_chunk` (0: the engine's prefill_chunk of 2048 throughout)."""
+    c = model.config
+    ids = torch.randint(3, c.vocab_size, (n,)).tolist()
+    out = {"tokens": n}
+    for idle in idle_chunks:
+        engine = Engine(model, max_batch=1, max_seq_len=n + 16, max_tokens=n + 16, idle_prefill_chunk=idle)
+
+        def first_token() -> None:
+            seq = engine.add_request(ids, SamplingParams(max_tokens=1))
+            while not seq.finished:
+                engine.step()
+
+        first_token()  # warm-up: kernels compiled for these chunk shapes
+        out[f"idle_{idle}_ms"] = timed(first_token, device, 2) * 1e3
+        out[f"idle_{idle}_steps"] = engine.stats.steps
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- the peer
 class PeerGraphStep:
     """Plain-torch decode step of the HF Llama's weights over a static KV cache, CUDA-graphable."""
@@ -365,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="BxT cells where the peer's torch.compile path runs (each compile costs minutes)")
     ap.add_argument("--overlap-cells", nargs="*", default=["64x4096", "1x4096", "64x32768"],
                     help="BxT cells where dsv41 also runs with Engine(overlap=True) (the next step launched first)")
+    ap.add_argument("--ttft", type=int, nargs="*", default=[32768],
+                    help="prompt lengths whose time to first token through Engine.step() is measured, with the idle "
+                         "prefill chunk off (0) and at its default")
     ap.add_argument("--no-peer", action="store_true", help="dsv41 only (no transformers needed)")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--profile", nargs="*", default=["64x32768"], help="BxT cells to profile (eager step)")
@@ -451,6 +475,12 @@ def main(argv: list[str] | None = None) -> int:
         report["prefill"].append(row)
         save()
         print(json.dumps(row, default=str))
+    for n in args.ttft:
+        row = attempt(f"dsv41 ttft {n}", lambda: dsv41_ttft(model, n, device, [0, max(2048, IDLE_PREFILL_CHUNK)]))
+        if row:
+            report.setdefault("ttft", []).append(row)
+            save()
+            print("ttft", json.dumps(row, default=lambda v: round(v, 2) if isinstance(v, float) else v))
     if device.startswith("cuda") and args.prefill:
         prof = attempt("prefill profile", lambda: dsv41_prefill_profile(model, max(args.prefill), device,
                                                                        best_chunk[max(args.prefill)]))
