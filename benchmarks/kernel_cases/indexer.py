@@ -115,14 +115,14 @@ def _blocks_case(device: torch.device) -> dict:
                 sweep=lambda **kn: fused.indexer_scores_blocks(**args, blocks=blocks, block_size=BLOCK, **kn))
 
 
-def _topk_case(name: str, rows: int, N: int, k: int, device: torch.device, note: str) -> dict:
+def _topk_case(name: str, rows: int, N: int, k: int, device: torch.device, note: str, method: str = "keys") -> dict:
     g = torch.Generator(device=device).manual_seed(N + k)
     scores = torch.randn(1, rows, N, generator=g, device=device).relu()  # relu-like: many exact zeros
     scores[..., N - N // 16:] = float("-inf")  # a causal tail nobody sees yet
 
     @torch.no_grad()
     def run_triton():
-        fused.topk_indices(scores, k)
+        fused.topk_indices(scores, k, method=method)
 
     @torch.no_grad()
     def run_torch():
@@ -150,4 +150,15 @@ def cases(device: torch.device) -> list[dict]:
                    "64 decode rows at 128K keys"),
         _topk_case("select blocks 128K k=2048", 1, 1 << 17, KEEP_BLOCKS, device,
                    "candidate blocks of a 1M-key context: keys kernel + radix select"),
+        # method "threshold": fp32 radix select for the k-th value + the pick kernel (ties in column order)
+        _topk_case("topk 1M k=512 threshold", 1, 1 << 20, TOPK, device, "fp32 torch.topk + _pick_kernel",
+                   method="threshold"),
+        _topk_case("topk B=64 128K k=512 threshold", 64, 1 << 17, TOPK, device, "fp32 torch.topk + _pick_kernel",
+                   method="threshold"),
+        _topk_case("topk B=64 4K k=128 keys", 64, 1 << 12, 128, device, "the `small` decode step's top-k"),
+        _topk_case("topk B=64 4K k=128 threshold", 64, 1 << 12, 128, device, "the `small` decode step's top-k",
+                   method="threshold"),
+        _topk_case("topk prefill 32K×32K k=128 keys", 32768, 1 << 15, 128, device, "a 32K prefill chunk at ratio 1"),
+        _topk_case("topk prefill 32K×32K k=128 threshold", 32768, 1 << 15, 128, device,
+                   "a 32K prefill chunk at ratio 1", method="threshold"),
     ]

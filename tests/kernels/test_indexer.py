@@ -325,6 +325,10 @@ TOPK_CASES = [  # N, k, knobs
     (100, 5, dict(block=16)),  # many key blocks
     (12, 16, {}),  # k > N
     (16, 16, dict(block=16)),  # k = N
+    (100, 16, dict(method="threshold")),  # the k-th value, then ties in column order (`_pick_kernel`)
+    (100, 5, dict(method="threshold", block=16)),  # many row tiles: the running counts carry across them
+    (12, 16, dict(method="threshold")),
+    (16, 16, dict(method="threshold", block=16)),
 ]
 
 
@@ -460,9 +464,11 @@ def test_gpu_topk_full_size():
     scores[1, 1, ::2] = float("-inf")
     scores = scores.cuda()
     for k in (512, 2048):
-        assert torch.equal(tri.topk_indices(scores, k), ref.topk_indices(scores, k)), k
+        for method in ("keys", "threshold"):
+            assert torch.equal(tri.topk_indices(scores, k, method=method), ref.topk_indices(scores, k)), (k, method)
     ids = torch.arange(N, device="cuda").expand(2, 2, N) * 8 + 3
-    assert torch.equal(tri.topk_indices(scores, 512, ids), ref.topk_indices(scores, 512, ids))
+    for method in ("keys", "threshold"):
+        assert torch.equal(tri.topk_indices(scores, 512, ids, method=method), ref.topk_indices(scores, 512, ids))
     # select_blocks at the real size: 128K blocks, 2048 picked, one pinned
     block_max = ref.block_maxima(scores, 8)
     newest = torch.tensor([[5, 131_071], [-1, 77]], device="cuda")
@@ -470,3 +476,19 @@ def test_gpu_topk_full_size():
         got = ops.select_blocks(block_max, newest, 2048)
     with use_backend("torch"):
         assert torch.equal(got, ops.select_blocks(block_max, newest, 2048))
+
+
+def test_threshold_topk_takes_the_lowest_columns_of_a_tie_at_the_kth_value():
+    """Ties that straddle the k-th place: of the columns equal to the k-th value only the lowest are taken,
+    as the stable sort takes them; with ids, in the ids' order; −inf columns never."""
+    scores = torch.tensor([[[1.0, 3.0, 2.0, 2.0, 5.0, 2.0, 2.0, float("-inf"), 2.0, 0.5]]])
+    got = tri.topk_indices(scores, 4, method="threshold")  # 5, 3, then two of the five 2.0s: columns 2 and 3
+    assert got.tolist() == [[[1, 2, 3, 4]]] == ref.topk_indices(scores, 4).tolist()
+    ids = torch.arange(10).view(1, 1, 10) * 10 + 7
+    assert tri.topk_indices(scores, 4, ids, method="threshold").tolist() == [[[17, 27, 37, 47]]]
+    assert tri.topk_indices(scores, 12, method="threshold").tolist() == [[[0, 1, 2, 3, 4, 5, 6, 8, 9, -1, -1, -1]]]
+    before = torch.tensor([[[2.0, 2.0, 2.0, 5.0]]])  # a tie before a larger score: exactly need_eq ties taken
+    got = tri.topk_indices(before, 2, method="threshold")
+    assert got.tolist() == [[[0, 3]]] == ref.topk_indices(before, 2).tolist()
+    with pytest.raises(ValueError, match="method"):
+        tri.topk_indices(scores, 4, method="radix")

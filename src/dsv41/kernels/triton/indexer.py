@@ -690,11 +690,84 @@ def indexer_scores_blocks(q: Tensor, weights: Tensor, key_pool: Tensor, page_tab
     return out
 
 
+TOPK_METHOD = "keys"  # `topk_indices`' default ("threshold" once a GPU run shows it faster)
+
+
+@triton.jit
+def _pick_count(row, thr, start, N, BLOCK: tl.constexpr):
+    cols = start + tl.arange(0, BLOCK)
+    s = tl.load(row + cols, mask=cols < N, other=float("-inf"))
+    return tl.sum(((s > thr) & (s > float("-inf"))).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _pick_tile(row, ids_row, out_row, thr, start, N, K, need_eq, taken, eq_seen, HAS_IDS: tl.constexpr,
+               BLOCK: tl.constexpr):
+    cols = start + tl.arange(0, BLOCK)
+    ok = cols < N
+    s = tl.load(row + cols, mask=ok, other=float("-inf"))
+    finite = s > float("-inf")
+    eq = (s == thr) & finite & ok
+    eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+    picked = ((s > thr) & finite & ok) | (eq & (eq_rank < need_eq))
+    pos = taken + tl.cumsum(picked.to(tl.int32), axis=0) - 1
+    val = cols.to(tl.int64)
+    if HAS_IDS:
+        val = tl.load(ids_row + cols, mask=picked, other=0).to(tl.int64)
+    tl.store(out_row + pos, val, mask=picked & (pos < K))
+    return taken + tl.sum(picked.to(tl.int32), axis=0), eq_seen + tl.sum(eq.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _pick_kernel(scores_ptr, thr_ptr, ids_ptr, out_ptr, T, N, K, s_sb, s_st, s_ib, s_it, s_ob, s_ot,
+                 HAS_IDS: tl.constexpr, BLOCK: tl.constexpr, STATIC_TRIPS: tl.constexpr, N_TILES: tl.constexpr,
+                 K_TILES: tl.constexpr):
+    """One row (b, t): the columns whose score beats the row's k-th largest value `thr`, then those equal to it
+    in column order until k are taken (the stable sort's tie rule), written in ascending column order (or
+    ids[column]); −inf never counts; the rest of the k outputs is −1. Two passes over the row. Under the
+    interpreter (STATIC_TRIPS) the loops run compile-time trip counts (it cannot take runtime bounds)."""
+    bt = tl.program_id(0)
+    b, t = bt // T, bt % T
+    row = scores_ptr + b.to(tl.int64) * s_sb + t.to(tl.int64) * s_st
+    ids_row = ids_ptr + b.to(tl.int64) * s_ib + t.to(tl.int64) * s_it
+    out_row = out_ptr + b.to(tl.int64) * s_ob + t.to(tl.int64) * s_ot
+    thr = tl.load(thr_ptr + bt)
+    n_gt = tl.zeros([1], dtype=tl.int32).sum(axis=0)
+    if STATIC_TRIPS:
+        for i in range(N_TILES):
+            n_gt += _pick_count(row, thr, i * BLOCK, N, BLOCK)
+    else:
+        for start in range(0, N, BLOCK):
+            n_gt += _pick_count(row, thr, start, N, BLOCK)
+    need_eq = K - n_gt  # ties at thr to take, lowest columns first
+    taken = tl.zeros([1], dtype=tl.int32).sum(axis=0)
+    eq_seen = tl.zeros([1], dtype=tl.int32).sum(axis=0)
+    if STATIC_TRIPS:
+        for i in range(N_TILES):
+            taken, eq_seen = _pick_tile(row, ids_row, out_row, thr, i * BLOCK, N, K, need_eq, taken, eq_seen,
+                                        HAS_IDS, BLOCK)
+        for i in range(K_TILES):  # −1 after the picks (fewer than k finite scores, or k > N)
+            j = i * BLOCK + tl.arange(0, BLOCK)
+            tl.store(out_row + j, tl.full([BLOCK], -1, tl.int64), mask=(j >= taken) & (j < K))
+    else:
+        for start in range(0, N, BLOCK):
+            taken, eq_seen = _pick_tile(row, ids_row, out_row, thr, start, N, K, need_eq, taken, eq_seen,
+                                        HAS_IDS, BLOCK)
+        for start in range(0, K, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            tl.store(out_row + j, tl.full([BLOCK], -1, tl.int64), mask=(j >= taken) & (j < K))
+
+
 def topk_indices(scores: Tensor, k: int, ids: Tensor | None = None, *, block: int = 1024,
-                 num_warps: int = 4) -> Tensor:
-    """See `dsv41.kernels.ops.topk_indices`. One pass turns (score, column) into unique int64 keys that
-    order exactly like the model's stable sort; `torch.topk` (a radix select) picks the k largest —
-    exact because no two keys tie — and the picks are sorted back into column order."""
+                 num_warps: int = 4, method: str | None = None) -> Tensor:
+    """See `dsv41.kernels.ops.topk_indices`. method ``keys`` (default, TOPK_METHOD): one pass turns (score,
+    column) into unique int64 keys that order exactly like the model's stable sort; `torch.topk` (a radix
+    select) picks the k largest — exact because no two keys tie — and the picks are sorted back into column
+    order. ``threshold``: `torch.topk` over the fp32 scores gives the k-th largest value of each row (half the
+    radix passes of int64 keys), then `_pick_kernel` takes what beats it and the ties at it in column order —
+    the same set, already ascending (not yet timed on a GPU: `benchmarks/kernels.py` cases "topk …")."""
+    method = method or TOPK_METHOD
+    _require(method in ("keys", "threshold"), f"topk_indices: method must be 'keys' or 'threshold', got {method!r}")
     _require(scores.dim() == 3 and scores.dtype == torch.float32,
              f"topk_indices: scores must be (B, T, N) float32, got {tuple(scores.shape)} {scores.dtype}")
     _require(isinstance(k, int) and k >= 0, f"topk_indices: k must be a non-negative int, got {k!r}")
@@ -710,6 +783,20 @@ def topk_indices(scores: Tensor, k: int, ids: Tensor | None = None, *, block: in
         return torch.full((B, T, k), -1, dtype=torch.int64, device=dev)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
+    if method == "threshold":
+        thr = torch.topk(scores, min(k, N), dim=-1, sorted=False).values.amin(dim=-1).contiguous()  # (B, T)
+        out = _empty((B, T, k), torch.int64, dev)
+        if ids is not None and ids.stride(-1) != 1:
+            ids = ids.contiguous()
+        idt = ids if ids is not None else scores
+        bl = min(block, triton.next_power_of_2(max(N, k, 16)))
+        static = interpreting()
+        _pick_kernel[(B * T,)](scores, thr, idt, out, T, N, k, scores.stride(0), scores.stride(1),
+                               idt.stride(0), idt.stride(1), out.stride(0), out.stride(1),
+                               HAS_IDS=ids is not None, BLOCK=bl, STATIC_TRIPS=static,
+                               N_TILES=triton.cdiv(N, bl) if static else 0, K_TILES=triton.cdiv(k, bl) if static else 0,
+                               num_warps=num_warps)
+        return out
     keys = _empty((B, T, N), torch.int64, dev)
     _keys_kernel[(B * T, triton.cdiv(N, block))](scores, keys, T, N, scores.stride(0), scores.stride(1),
                                                   BLOCK=block, num_warps=num_warps)
