@@ -53,22 +53,21 @@ def _route_kernel(logit_ptr, bias_ptr, w_ptr, idx_ptr, score_ptr, route_ptr, N, 
     else:
         b = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     choice = tl.where(ok, s + b, float("-inf"))
-    picked = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.int1)
+    rank = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.int32)  # j + 1 where the j-th choice is, else 0
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in tl.static_range(K):
         best = tl.max(choice, axis=1)
         first = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)  # lowest index of the max
         hit = cols[None, :] == first[:, None]
-        w = tl.sum(tl.where(hit, s, 0.0), axis=1)
         tl.store(idx_ptr + rows.to(tl.int64) * K + j, first.to(tl.int64), mask=row_ok)
-        tl.store(w_ptr + rows.to(tl.int64) * K + j, w, mask=row_ok)
-        total += w
-        picked = picked | hit
+        total += tl.sum(tl.where(hit, s, 0.0), axis=1)
+        rank = tl.where(hit, j + 1, rank)
         choice = tl.where(hit, float("-inf"), choice)
+    picked = rank > 0
     if NORM:
         denom = total + 1e-20
-    for j in tl.static_range(K):  # normalize and scale in a second pass over the k stored weights
-        w = tl.load(w_ptr + rows.to(tl.int64) * K + j, mask=row_ok, other=0.0)
+    for j in tl.static_range(K):  # the weights once their sum is known, from the registers
+        w = tl.sum(tl.where(rank == j + 1, s, 0.0), axis=1)
         if NORM:
             w = tl.math.div_rn(w, denom)
         tl.store(w_ptr + rows.to(tl.int64) * K + j, w * route_scale, mask=row_ok)
