@@ -19,10 +19,10 @@ def run(engine: Engine, prompts: list[list[int]], n_out: list[int], monkeypatch)
     seen: dict[int, list[torch.Tensor]] = defaultdict(list)
     emit = Engine._emit
 
-    def spy(self, seqs, logits, *sampled):
+    def spy(self, seqs, logits, *sampled, **kw):
         for seq, row in zip(seqs, logits):
             seen[seq.id].append(row.float().cpu())
-        return emit(self, seqs, logits, *sampled)
+        return emit(self, seqs, logits, *sampled, **kw)
 
     monkeypatch.setattr(Engine, "_emit", spy)
     seqs = [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, n_out)]

@@ -43,9 +43,9 @@ def reference(model, prompt_ids: list[int], n: int, stop_ids: list[int],
     engine, steps = Engine(model), []
     original = engine._emit
 
-    def capture(reqs, logits, *sampled):
+    def capture(reqs, logits, *sampled, **kw):
         steps.append(torch.log_softmax(logits[0].double(), dim=-1))
-        return original(reqs, logits, *sampled)
+        return original(reqs, logits, *sampled, **kw)
 
     engine._emit = capture
     return engine.generate([prompt_ids], max_tokens=n, stop_token_ids=stop_ids, **sampling)[0], steps
