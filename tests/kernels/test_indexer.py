@@ -320,11 +320,12 @@ def _scores_kinds(gen: torch.Generator, N: int) -> Tensor:
     return torch.stack([ints, relu, with_inf, all_inf, rising]).unsqueeze(0)
 
 
-TOPK_CASES = [  # N, k, knobs
+TOPK_CASES = [  # N, k, knobs ({}: the default method through ops)
     (100, 16, {}),
-    (100, 5, dict(block=16)),  # many key blocks
-    (12, 16, {}),  # k > N
-    (16, 16, dict(block=16)),  # k = N
+    (100, 16, dict(method="keys")),  # unique int64 keys + torch.topk
+    (100, 5, dict(method="keys", block=16)),  # many key blocks
+    (12, 16, dict(method="keys")),  # k > N
+    (16, 16, dict(method="keys", block=16)),  # k = N
     (100, 16, dict(method="threshold")),  # the k-th value, then ties in column order (`_pick_kernel`)
     (100, 5, dict(method="threshold", block=16)),  # many row tiles: the running counts carry across them
     (12, 16, dict(method="threshold")),
@@ -476,6 +477,29 @@ def test_gpu_topk_full_size():
         got = ops.select_blocks(block_max, newest, 2048)
     with use_backend("torch"):
         assert torch.equal(got, ops.select_blocks(block_max, newest, 2048))
+
+
+def test_the_default_topk_method_goes_by_the_row_length(monkeypatch):
+    """`auto` (the default) takes threshold up to THRESHOLD_MAX_N columns and keys beyond (the faster on the
+    H200 for each); both give the twin's picks on either side of the bound."""
+    taken = []
+    real = tri._pick_kernel
+    monkeypatch.setattr(tri, "THRESHOLD_MAX_N", 40)
+
+    class Spy:
+        def __getitem__(self, grid):
+            taken.append("threshold")
+            return real[grid]
+
+    monkeypatch.setattr(tri, "_pick_kernel", Spy())
+    gen = torch.Generator().manual_seed(3)
+    for N in (40, 41):
+        scores = torch.randn(1, 2, N, generator=gen)
+        scores[0, 1, ::3] = 0.5  # ties
+        with use_backend("triton"):
+            assert torch.equal(ops.topk_indices(scores, 7), ref.topk_indices(scores, 7)), N
+    assert taken == ["threshold"]  # N = 40 only
+    assert tri._topk_method(tri.THRESHOLD_MAX_N) == "threshold" and tri._topk_method(1 << 20) == "keys"
 
 
 def test_threshold_topk_takes_the_lowest_columns_of_a_tie_at_the_kth_value():

@@ -690,7 +690,16 @@ def indexer_scores_blocks(q: Tensor, weights: Tensor, key_pool: Tensor, page_tab
     return out
 
 
-TOPK_METHOD = "keys"  # `topk_indices`' default ("threshold" once a GPU run shows it faster)
+TOPK_METHOD = "auto"  # `topk_indices`' default: `_topk_method` picks by the row length
+THRESHOLD_MAX_N = 32768  # rows up to this length take "threshold"; longer ones "keys"
+
+
+def _topk_method(N: int) -> str:
+    """H200, benchmarks/kernels.py (2026-12-04): threshold wins on short rows — 0.037 vs 0.053 ms at
+    64 × 4K (k = 128, the `small` decode step), 17.2 vs 27.5 ms at 32K × 32K (a prefill chunk) — and loses on
+    long ones: 0.42 vs 0.39 ms at 64 × 128K, 2.0 vs 0.25 ms at 1 × 1M (its fp32 radix select over one long row
+    runs few blocks)."""
+    return "threshold" if N <= THRESHOLD_MAX_N else "keys"
 
 
 @triton.jit
@@ -760,14 +769,16 @@ def _pick_kernel(scores_ptr, thr_ptr, ids_ptr, out_ptr, T, N, K, s_sb, s_st, s_i
 
 def topk_indices(scores: Tensor, k: int, ids: Tensor | None = None, *, block: int = 1024,
                  num_warps: int = 4, method: str | None = None) -> Tensor:
-    """See `dsv41.kernels.ops.topk_indices`. method ``keys`` (default, TOPK_METHOD): one pass turns (score,
+    """See `dsv41.kernels.ops.topk_indices`. method (None = TOPK_METHOD; ``auto`` picks by the row length,
+    `_topk_method`) ``keys``: one pass turns (score,
     column) into unique int64 keys that order exactly like the model's stable sort; `torch.topk` (a radix
     select) picks the k largest — exact because no two keys tie — and the picks are sorted back into column
     order. ``threshold``: `torch.topk` over the fp32 scores gives the k-th largest value of each row (half the
     radix passes of int64 keys), then `_pick_kernel` takes what beats it and the ties at it in column order —
-    the same set, already ascending (not yet timed on a GPU: `benchmarks/kernels.py` cases "topk …")."""
+    the same set, already ascending (timed: `benchmarks/kernels.py` cases "topk …")."""
     method = method or TOPK_METHOD
-    _require(method in ("keys", "threshold"), f"topk_indices: method must be 'keys' or 'threshold', got {method!r}")
+    _require(method in ("auto", "keys", "threshold"),
+             f"topk_indices: method must be 'auto', 'keys' or 'threshold', got {method!r}")
     _require(scores.dim() == 3 and scores.dtype == torch.float32,
              f"topk_indices: scores must be (B, T, N) float32, got {tuple(scores.shape)} {scores.dtype}")
     _require(isinstance(k, int) and k >= 0, f"topk_indices: k must be a non-negative int, got {k!r}")
@@ -783,6 +794,8 @@ def topk_indices(scores: Tensor, k: int, ids: Tensor | None = None, *, block: in
         return torch.full((B, T, k), -1, dtype=torch.int64, device=dev)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
+    if method == "auto":
+        method = _topk_method(N)
     if method == "threshold":
         thr = torch.topk(scores, min(k, N), dim=-1, sorted=False).values.amin(dim=-1).contiguous()  # (B, T)
         out = _empty((B, T, k), torch.int64, dev)
