@@ -22,7 +22,7 @@ PAGES_PER_SEQ = 256  # 64K entries per sequence
 MIN_POOL_PAGES = 4096  # 1M entries, ~300 MB
 
 
-def _rows(fmt: str, n: int, g: torch.Generator, device: torch.device) -> torch.Tensor:
+def _rows(fmt: str, n: int, g: torch.Generator, device: torch.device, D: int = D) -> torch.Tensor:
     """n random rows in a cache format, quantized in slices (bounded temporaries)."""
     out = []
     for i in range(0, n, 1 << 18):
@@ -75,6 +75,49 @@ def _case(name: str, B: int, T: int, device: torch.device, note: str) -> dict:
                 sweep=lambda **knobs: fused.sparse_attention(**args, **knobs))
 
 
+def _small_prefill_case(name: str, T: int, device: torch.device, note: str, *, ring: bool = True,
+                        chunk: bool = True, entries: bool = True) -> dict:
+    """The `small` preset's encoder prefill from an empty cache (H = 6, D = 128, window 128, top-k 128 of the
+    T/2 entries of a ratio-2 layer): one prompt of T tokens, the ring of its slot empty (as the engine passes
+    it), with parts left out to see where the time goes."""
+    h, d, k, page_rows = 6, 128, 128, 256
+    g = torch.Generator(device=device).manual_seed(T)
+    q_pos = torch.arange(T, device=device)[None].contiguous()
+    q = torch.randn(1, T, h, d, generator=g, device=device).bfloat16()
+    sink = torch.randn(h, generator=g, device=device)
+    n_entries = T // 2
+    n_pages = -(-n_entries // page_rows)
+    args = dict(q=q, q_pos=q_pos, sink=sink, scale=d ** -0.5, window=W)
+    if ring:
+        args.update(ring_kv=_rows("fp8", W, g, device, d).view(1, W, -1),
+                    ring_pos=torch.full((1, W), -1, dtype=torch.long, device=device))
+    if chunk:
+        args.update(chunk_kv=_rows("fp8", T, g, device, d).view(1, T, -1))
+    if entries:
+        # causal top-k: query t picks among the entries complete by t (t // 2 of them), −1 beyond
+        avail = (torch.arange(T, device=device) // 2 + 1)[:, None]
+        topk = (torch.rand(T, k, generator=g, device=device) * avail).long()
+        topk = torch.where(torch.arange(k, device=device)[None] < avail, topk, -1)[None]
+        args.update(entry_pool=_rows("fp4", n_pages * page_rows, g, device, d), page_rows=page_rows,
+                    page_table=torch.randperm(n_pages, generator=g, device=device)[None].int(), topk=topk)
+    visible = (min(T, W) * (min(T, W) + 1) // 2 + max(0, T - W) * W) if chunk else 0
+    if entries:
+        visible += int((args["topk"] >= 0).sum())
+    parts = "+".join(p for p, on in (("ring", ring), ("chunk", chunk), ("entries", entries)) if on)
+
+    @torch.no_grad()
+    def run_triton():
+        fused.sparse_attention(**args)
+
+    @torch.no_grad()
+    def run_torch():
+        twin.sparse_attention(**args)
+
+    return dict(name=name, shape=f"B=1 T={T} H={h} D={d} window={W} top-k={k} ({parts}), bf16 q",
+                unit="flop", work=4 * h * d * visible, ceiling="matmul", triton=run_triton, torch=run_torch,
+                note=note, sweep=lambda **knobs: fused.sparse_attention(**args, **knobs))
+
+
 def cases(device: torch.device) -> list[dict]:
     return [
         _case("decode B=1", 1, 1, device,
@@ -85,4 +128,8 @@ def cases(device: torch.device) -> list[dict]:
         _case("decode B=128", 128, 1, device, "128 programs, one per query, no split"),
         _case("prefill B=1 T=1024", 1, 1024, device,
               "one program per query: ring (2 tiles, mostly masked) + its band of the chunk (2 tiles) + 8 entry tiles"),
+        _small_prefill_case("small prefill T=16K", 16384, device, "the engine's call: empty ring, chunk band, entries"),
+        _small_prefill_case("small prefill T=16K chunk+entries", 16384, device, "no ring", ring=False),
+        _small_prefill_case("small prefill T=16K chunk", 16384, device, "window only", ring=False, entries=False),
+        _small_prefill_case("small prefill T=16K entries", 16384, device, "entries only", ring=False, chunk=False),
     ]

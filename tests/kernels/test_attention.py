@@ -251,7 +251,7 @@ GPU_CASES = {
     "prefill-v41": dict(B=2, T=256, H=64, D=512, W=128, K=512, window=128, chunk=True, replay=True,
                         page_rows=256, pages_per_seq=16),
     "decode-small": dict(B=8, T=1, H=6, D=128, W=128, K=128, window=128, page_rows=256, pages_per_seq=4),
-    "prefill-small": dict(B=2, T=100, H=6, D=128, W=128, K=128, window=128, chunk=True, replay=True,
+    "prefill-small": dict(B=2, T=300, H=6, D=128, W=128, K=128, window=128, chunk=True, replay=True,
                           page_rows=256, pages_per_seq=4),
 }
 

@@ -146,7 +146,8 @@ def sparse_attention(q: Tensor, q_pos: Tensor, sink: Tensor, scale: float, windo
     A window key at position p is visible to a query at position t iff
     ``max(0, window_start[b]) <= p <= t`` and ``p > t - window``. q_pos must increase by one along
     T (consecutive tokens, as the engine runs them): the kernel scans only each query's band of the
-    chunk.
+    chunk, and with a chunk the ring must hold positions before q_pos[b, 0] (the engine writes a
+    chunk's keys into the ring after the call): queries t >= window − 1 skip the ring.
     Entries: topk (B, T, K) entry indices (−1 = none) into the paged `entry_pool` rows
     (D/2 + D/16 bytes). sink (H,) only adds exp(sink) to the denominator. Softmax in fp32;
     returns (B, T, H, D) in q's dtype (a query with no visible key returns zeros).
