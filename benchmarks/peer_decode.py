@@ -17,7 +17,10 @@ context, on three paths: (i) eager forward with `DynamicCache` (what `generate` 
 for the cells in --compile-cells only, each compile costs minutes), (iii) a plain-torch decode step
 over the same weights captured in a CUDA graph (GQA as a query-length-G SDPA over the static
 cache). Prefill: one prompt at each --prefill length, dsv41 encoder-only and exact vs the peer's
-eager forward (SDPA flash attention). The hardware ceilings (bf16 8192³ matmul, device copy)
+eager forward (SDPA flash attention); each prefill also records its host share (`*_queued_ms`: the time
+until prefill() returns, against `*_min_ms` once the device is done), and `--profile-prefill` /
+`--profile-exact` profile chosen lengths (kernels, GPU time, where the host's time goes). `--topk-method`
+runs the indexer's top-k with one method (an A/B of the prefill wall time). The hardware ceilings (bf16 8192³ matmul, device copy)
 are measured in the same run, and `torch.profiler` counts kernels per eager decode step and the
 GPU-busy fraction. Writes benchmarks/results/peer_decode-<date>.json.
 """
@@ -152,8 +155,8 @@ def top_kernels(kernels, n: int, k: int = 15) -> list[dict]:
     return [{"kernel": name, "launches": len(t) / n, "us": sum(t) / n} for name, t in rows]
 
 
-def dsv41_prefill_profile(model, n: int, device: str, chunk: int) -> dict:
-    """Where encoder-only prefill time goes (torch.profiler, one prompt of n tokens)."""
+def dsv41_prefill_profile(model, n: int, device: str, chunk: int, exact: bool = False) -> dict:
+    """Where prefill time goes (torch.profiler, one prompt of n tokens; encoder-only, or exact)."""
     from torch.profiler import ProfilerActivity, profile
 
     c = model.config
@@ -161,7 +164,8 @@ def dsv41_prefill_profile(model, n: int, device: str, chunk: int) -> dict:
     ids = torch.randint(3, c.vocab_size, (n,)).tolist()
 
     def run() -> None:
-        prefill(runner, SequenceCache(c, pools=private_pools(c, device, max_tokens=n + 8)), ids, chunk=chunk)
+        prefill(runner, SequenceCache(c, pools=private_pools(c, device, max_tokens=n + 8)), ids, chunk=chunk,
+                exact=exact)
 
     run()
     sync(device)
@@ -171,7 +175,7 @@ def dsv41_prefill_profile(model, n: int, device: str, chunk: int) -> dict:
         sync(device)
     wall = time.perf_counter() - t0
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    out = {"tokens": n, "chunk": chunk, "wall_ms": wall * 1e3, "kernels": len(kernels),
+    out = {"tokens": n, "chunk": chunk, "exact": exact, "wall_ms": wall * 1e3, "kernels": len(kernels),
            "gpu_ms": sum(e.device_time for e in kernels) / 1e3, "top_kernels": top_kernels(kernels, 1)}
     out["host"] = host_profile(prof, run, device)
     return out
@@ -220,8 +224,21 @@ def dsv41_prefill(model, n: int, device: str, chunk: int) -> dict:
     run(False)  # warm-up: kernels compiled
     run(True)
     enc, exact = timed(lambda: run(False), device, 3), timed(lambda: run(True), device, 3)
-    return {"tokens": n, "encoder_only_ms": enc * 1e3, "exact_ms": exact * 1e3, "encoder_over_exact": enc / exact,
-            "encoder_only_tok_s": n / enc}
+    out = {"tokens": n, "encoder_only_ms": enc * 1e3, "exact_ms": exact * 1e3, "encoder_over_exact": enc / exact,
+           "encoder_only_tok_s": n / enc}
+    for name, exact_ in (("encoder_only", False), ("exact", True)):
+        # the host's share: the time until prefill() returns (it queues the work; nothing waits for the device
+        # but the logits read at the end), against the total once the device is done — each the fastest of 3
+        queued, total = [], []
+        for _ in range(3):
+            sync(device)
+            t0 = time.perf_counter()
+            run(exact_)
+            queued.append(time.perf_counter() - t0)
+            sync(device)
+            total.append(time.perf_counter() - t0)
+        out[f"{name}_queued_ms"], out[f"{name}_min_ms"] = min(queued) * 1e3, min(total) * 1e3
+    return out
 
 
 def dsv41_ttft(model, n: int, device: str, idle_chunks: list[int]) -> dict:
@@ -377,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768, 131072],
+                    help="decode contexts (none: prefill only)")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768])
     ap.add_argument("--prefill-chunk", type=int, nargs="+", default=[8192],
@@ -390,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft", type=int, nargs="*", default=[32768],
                     help="prompt lengths whose time to first token through Engine.step() is measured, with the idle "
                          "prefill chunk off (0) and at its default")
+    ap.add_argument("--profile-prefill", type=int, nargs="*", default=None,
+                    help="prompt lengths whose prefill is profiled (default: the longest --prefill)")
+    ap.add_argument("--profile-exact", action="store_true", help="profile exact prefill too")
+    ap.add_argument("--topk-method", choices=("auto", "keys", "threshold"), default=None,
+                    help="the indexer's top-k method for this run (default: the library's, TOPK_METHOD)")
     ap.add_argument("--no-peer", action="store_true", help="dsv41 only (no transformers needed)")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--profile", nargs="*", default=["64x32768"], help="BxT cells to profile (eager step)")
@@ -399,20 +422,24 @@ def main(argv: list[str] | None = None) -> int:
         print("peer_decode: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
     device = args.device
+    if args.topk_method:
+        from dsv41.kernels.triton import indexer as triton_indexer
+
+        triton_indexer.TOPK_METHOD = args.topk_method
     torch.manual_seed(0)
     config = load_config(args.preset)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = cast_for_engine(Transformer(config).init_weights(seed=0).to(device), dtype).eval()
     report = {"benchmark": "peer_decode", "date": dt.date.today().isoformat(), "preset": args.preset,
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-              "torch": torch.__version__, "dsv41_active_params": compute(config)["active_params_decode"],
+              "torch": torch.__version__, "topk_method": args.topk_method or "default", "dsv41_active_params": compute(config)["active_params_decode"],
               "dsv41_kv_bytes_per_token": compute(config)["global_kv_bytes_per_token"],
               "ceilings": ceilings(device), "cells": [], "prefill": [], "profile": [], "errors": []}
     hf = None
     if not args.no_peer:
         from transformers import LlamaForCausalLM
 
-        hf = LlamaForCausalLM(peer_config(config, max(args.contexts) * 2))
+        hf = LlamaForCausalLM(peer_config(config, max(args.contexts + args.prefill + [4096]) * 2))
         hf = hf.to(device=device, dtype=torch.bfloat16).eval()
         pc = hf.config
         report["peer"] = {"params": count_params(hf), "layers": pc.num_hidden_layers, "hidden": pc.hidden_size,
@@ -482,13 +509,18 @@ def main(argv: list[str] | None = None) -> int:
             report.setdefault("ttft", []).append(row)
             save()
             print("ttft", json.dumps(row, default=lambda v: round(v, 2) if isinstance(v, float) else v))
-    if device.startswith("cuda") and args.prefill:
-        prof = attempt("prefill profile", lambda: dsv41_prefill_profile(model, max(args.prefill), device,
-                                                                       best_chunk[max(args.prefill)]))
-        if prof:
-            report["prefill_profile"] = prof
-            save()
-            print(json.dumps(prof, default=lambda v: round(v, 2) if isinstance(v, float) else v))
+    profiled = args.profile_prefill if args.profile_prefill is not None else args.prefill[-1:] and [max(args.prefill)]
+    for n in profiled if device.startswith("cuda") else []:
+        for exact in (False, True) if args.profile_exact else (False,):
+            prof = attempt(f"prefill profile {n}", lambda: dsv41_prefill_profile(
+                model, n, device, best_chunk.get(n, args.prefill_chunk[-1]), exact))
+            if prof:
+                if "prefill_profile" not in report:  # the first one (encoder-only at the longest prompt)
+                    report["prefill_profile"] = prof
+                else:
+                    report.setdefault("prefill_profiles", []).append(prof)
+                save()
+                print(json.dumps(prof, default=lambda v: round(v, 2) if isinstance(v, float) else v))
     for cell in args.profile:
         B, T = (int(v) for v in cell.split("x"))
         if device.startswith("cuda"):
