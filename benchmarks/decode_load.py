@@ -4,8 +4,10 @@
     python benchmarks/decode_load.py --device cpu --preset tiny --streams 4 --context 256 \\
         --prompts 2 --prompt-len 600 --budgets 64 --layers 2 --steps 5      # a smoke run without a GPU
 
-64 streams decode from synthetic contexts (`engine/synthetic.py`); their gap between tokens is the
-engine's step time. First the unloaded gaps (p50), then one prompt of the same length is prefilled
+64 streams decode from synthetic contexts (`engine/synthetic.py`); their gap between tokens is the time
+between the engine steps that hand them their tokens, as a client sees it (`--gaps emitted`, no device sync
+added, so the overlapped step keeps its overlap; `--gaps synced` times each step up to a device sync, the
+measure of the runs before 2026-12-04). First the unloaded gaps (p50), then one prompt of the same length is prefilled
 beside the streams and decodes its tokens, then is freed (warm-up: every prefill kernel compiled for
 the shapes, the decode graph of the larger batch and entry bound captured), then four long prompts
 arrive at once and are prefilled in pieces that ride along with the streams' decode steps, within
@@ -45,12 +47,15 @@ def pct(values: list[float], q: float) -> float:
 
 class PieceTimer:
     """Times every `PrefillJob.step` (one piece) without adding a host sync: CUDA events around it,
-    read after the step's own sync (the host clock on the CPU). `pieces` = (ms, tokens, layers, kind)."""
+    read once the device is past them (the host clock on the CPU). `pieces` = (ms, tokens, layers, kind);
+    `step` = the engine step the pieces being recorded belong to (set by the caller)."""
 
     def __init__(self, device: str):
         self.cuda = device.startswith("cuda")
         self.pending: list[tuple] = []
         self.pieces: list[tuple[float, int, int, str]] = []
+        self.by_step: dict[int, list[tuple[float, int, int, str]]] = {}
+        self.step = 0
         self.step_fn = PrefillJob.step
 
     def __enter__(self) -> PieceTimer:
@@ -67,7 +72,7 @@ class PieceTimer:
                 b.record()
             else:
                 a, out, b = time.perf_counter(), step(job, n, layers), time.perf_counter()
-            timer.pending.append((a, b, tokens, layers, kind))
+            timer.pending.append((a, b, tokens, layers, kind, timer.step))
             return out
 
         PrefillJob.step = timed
@@ -76,13 +81,13 @@ class PieceTimer:
     def __exit__(self, *exc) -> None:
         PrefillJob.step = self.step_fn
 
-    def collect(self) -> list[tuple[float, int, int, str]]:
-        """Pieces since the last call (call after a sync)."""
-        out = [((b - a) * 1e3 if not self.cuda else a.elapsed_time(b), t, k, kind)
-               for a, b, t, k, kind in self.pending]
+    def collect(self) -> None:
+        """Read the pieces recorded so far (call after a device sync)."""
+        for a, b, t, k, kind, step in self.pending:
+            piece = ((b - a) * 1e3 if not self.cuda else a.elapsed_time(b), t, k, kind)
+            self.pieces.append(piece)
+            self.by_step.setdefault(step, []).append(piece)
         self.pending.clear()
-        self.pieces += out
-        return out
 
 
 def run(model, args, budget: int, layers: int | None, device: str) -> dict:
@@ -90,19 +95,30 @@ def run(model, args, budget: int, layers: int | None, device: str) -> dict:
     engine = Engine(model, max_batch=args.streams + args.prompts, max_seq_len=max(n_ctx, args.prompt_len + 64),
                     max_tokens=args.streams * n_ctx + args.prompts * (args.prompt_len + 64),
                     prefill_chunk=min(budget, args.chunk), token_budget=budget + args.streams, prefill_layers=layers)
-    synthetic_running(engine, args.streams, args.context)
+    streams = {s.id for s in synthetic_running(engine, args.streams, args.context)}
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     V = model.config.vocab_size
+    last = [time.perf_counter()]
 
-    def timed_step() -> float:
-        t0 = time.perf_counter()
-        engine.step()
-        sync()
-        return time.perf_counter() - t0
+    def timed_step() -> float | None:
+        """One engine step; the gap since the streams' previous tokens when this step emitted theirs
+        (`--gaps emitted`, what a client sees: no device sync added, the overlapped step keeps its
+        overlap), or the step's time up to a device sync (`--gaps synced`, earlier runs' measure)."""
+        if args.gaps == "synced":
+            t0 = time.perf_counter()
+            engine.step()
+            sync()
+            return time.perf_counter() - t0
+        outputs = engine.step()
+        now = time.perf_counter()
+        if not any(o.request.id in streams for o in outputs):
+            return None
+        gap, last[0] = now - last[0], now
+        return gap
 
     for _ in range(5):
         timed_step()
-    unloaded = [timed_step() for _ in range(args.steps)]
+    unloaded = [g for g in (timed_step() for _ in range(args.steps)) if g is not None]
     # warm-up: one prompt of the same shapes through prefill and its decode, then freed
     t_warm = time.perf_counter()
     warm = engine.add_request(torch.randint(3, V, (args.prompt_len,)).tolist(), SamplingParams(max_tokens=2))
@@ -115,19 +131,29 @@ def run(model, args, budget: int, layers: int | None, device: str) -> dict:
     loaded, first_token, steps = [], {}, []
     with PieceTimer(device) as timer:
         while any(not p.output for p in prompts):
-            loaded.append(timed_step())
-            pieces = timer.collect()
-            steps.append({"ms": loaded[-1] * 1e3, "pieces": [(round(ms, 2), t, k, kind) for ms, t, k, kind in pieces]})
+            timer.step = len(steps)
+            gap = timed_step()
+            steps.append({"ms": None if gap is None else gap * 1e3})
+            if gap is not None:
+                loaded.append(gap)
+            if args.gaps == "synced":
+                timer.collect()
             for p in prompts:
                 if p.output and p.id not in first_token:
                     first_token[p.id] = time.perf_counter() - t0
             if len(loaded) > 200000:
                 raise RuntimeError("the prompts never finished prefilling")
     elapsed = time.perf_counter() - t0
+    sync()
+    timer.collect()
+    for i, step in enumerate(steps):
+        step["pieces"] = [(round(ms, 2), t, k, kind) for ms, t, k, kind in timer.by_step.get(i, [])]
+    steps = [s for s in steps if s["ms"] is not None]
     p50 = statistics.median(unloaded)
     piece_ms = [ms for ms, *_ in timer.pieces]
     largest = max(timer.pieces, default=(0.0, 0, 0, ""))
     return {"token_budget": budget, "prefill_chunk": engine.prefill_chunk, "prefill_layers": layers,
+            "gaps": args.gaps, "overlap": engine.overlap, "overlapped_steps": engine.stats.overlapped_steps,
             "unloaded_gap_ms": {"p50": p50 * 1e3, "p99": pct(unloaded, 0.99) * 1e3},
             "loaded_gap_ms": {"p50": statistics.median(loaded) * 1e3, "p99": pct(loaded, 0.99) * 1e3,
                               "max": max(loaded) * 1e3},
@@ -157,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="prefill layer passes per step while streams decode (0: no layer bound, whole chunks)")
     ap.add_argument("--chunk", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=60, help="unloaded steps measured")
+    ap.add_argument("--gaps", choices=("emitted", "synced"), default="emitted",
+                    help="emitted: time between the steps that hand the streams their tokens, no sync added "
+                         "(default); synced: each step timed up to a device sync (the measure before 2026-12-04)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
