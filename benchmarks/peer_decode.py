@@ -20,9 +20,9 @@ cache). Prefill: one prompt at each --prefill length, dsv41 encoder-only and exa
 eager forward (SDPA flash attention); each prefill also records its host share (`*_queued_ms`: the time
 until prefill() returns, against `*_min_ms` once the device is done), and `--profile-prefill` /
 `--profile-exact` profile chosen lengths (kernels, GPU time, where the host's time goes). `--topk-method`
-runs the indexer's top-k with one method (an A/B of the prefill wall time). The hardware ceilings (bf16 8192³ matmul, device copy)
-are measured in the same run, and `torch.profiler` counts kernels per eager decode step and the
-GPU-busy fraction. Writes benchmarks/results/peer_decode-<date>.json.
+runs the indexer's top-k with one method (an A/B of the prefill wall time). The hardware ceilings
+(bf16 8192³ matmul, device copy) are measured in the same run, and `torch.profiler` counts kernels per
+eager decode step and the GPU-busy fraction. Writes benchmarks/results/peer_decode-<date>.json.
 """
 
 from __future__ import annotations
@@ -432,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     model = cast_for_engine(Transformer(config).init_weights(seed=0).to(device), dtype).eval()
     report = {"benchmark": "peer_decode", "date": dt.date.today().isoformat(), "preset": args.preset,
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-              "torch": torch.__version__, "topk_method": args.topk_method or "default", "dsv41_active_params": compute(config)["active_params_decode"],
+              "torch": torch.__version__, "topk_method": args.topk_method or "default",
+              "dsv41_active_params": compute(config)["active_params_decode"],
               "dsv41_kv_bytes_per_token": compute(config)["global_kv_bytes_per_token"],
               "ceilings": ceilings(device), "cells": [], "prefill": [], "profile": [], "errors": []}
     hf = None

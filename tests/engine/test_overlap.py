@@ -224,3 +224,54 @@ def test_a_speculative_engine_overlaps_the_plain_steps_its_cost_model_chooses(mo
     assert so.forwards == sw.forwards >= 3
     assert so.plain_steps - sw.plain_steps in (0, 1)  # + the last launch, when every row ended in flight
     assert so.accepted == so.drafted > 0 and sw.accepted == sw.drafted
+
+
+def test_overlap_across_page_ends_and_the_context_end_keeps_the_plain_engines_tokens():
+    """Small pages (every eighth entry starts one), a pool too small for every sequence at once (preemption) and a
+    context that ends mid-generation: an overlapped step never runs a position whose pages are not yet held
+    (`_can_continue` hands such a step to the scheduler, which grows them or preempts), nor one past the context
+    (`_overlappable`). The same tokens and finish reasons as the waiting engine, steps overlapped, every page and
+    slot back at the end."""
+    model = engine_test_model(86)
+    g = torch.Generator().manual_seed(86)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (21, 44, 58, 9)]
+    params = [SamplingParams(max_tokens=n) for n in (60, 60, 60, 30)]  # the first three run into the context end
+    runs = []
+    for overlap in (False, True):
+        engine = Engine(model, max_batch=4, overlap=overlap, page_rows=8, max_seq_len=80, max_tokens=160)
+        free = {s: engine.pools.free_pages(s) for s in engine.pools.sources}
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        runs.append(([s.output for s in seqs], [s.finish_reason for s in seqs], engine.stats.overlapped_steps))
+        assert engine.stats.preemptions > 0  # the pool is too small for all four at once
+        assert {s: engine.pools.free_pages(s) for s in engine.pools.sources} == free
+        assert engine.pools.free_slots == engine.max_batch
+    (want, want_reasons, _), (got, reasons, overlapped) = runs
+    assert got == want and reasons == want_reasons
+    assert [len(o) for o in got[:3]] == [80 - len(p) for p in prompts[:3]]  # cut by the context
+    assert overlapped > 10, overlapped
+
+
+def test_a_request_arriving_while_rows_overlap_starts_when_the_waiting_engine_starts_it():
+    """Overlap never keeps a waiting request out: the step it arrives at resolves the step in flight and the
+    scheduler admits it, so its first token comes at most one step later than in the waiting engine."""
+    model = engine_test_model(87)
+    g = torch.Generator().manual_seed(87)
+    first = []
+    for overlap in (False, True):
+        engine = Engine(model, max_batch=4, overlap=overlap)
+        for n in (12, 30):
+            engine.add_request(torch.randint(3, 1000, (n,), generator=g).tolist(), SamplingParams(max_tokens=40))
+        steps, late = 0, None
+        while engine.has_work():
+            engine.step()
+            steps += 1
+            if steps == 6:
+                late = engine.add_request(torch.randint(3, 1000, (17,), generator=g).tolist(),
+                                          SamplingParams(max_tokens=3))
+            if late is not None and late.output and len(first) < (2 if overlap else 1):
+                first.append(steps)
+        assert engine.stats.overlapped_steps > 0 or not overlap
+    plain_step, overlap_step = first
+    assert overlap_step <= plain_step + 1, first
