@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the H200 box (python3 with torch + triton + transformers, no install needed), one call:
-#   bash scripts/gpu_engine.sh [OUT_DIR] [PARTS]     PARTS: any of tests,peer,load (default all three;
-#                                                   a device call of 10 minutes fits tests,peer or tests,load)
+#   bash scripts/gpu_engine.sh [OUT_DIR] [PARTS]     PARTS: any of tests,kernels,peer,load,prefill (default
+#                                                   tests,peer,load; a device call of 10 minutes fits tests,peer,
+#                                                   tests,load or kernels,prefill)
 # The engine's GPU checks, then the engine benchmarks of issue 15: the GPU tests of the engine and of the
 # kernels it added (graph replay = eager, no host sync in the decode step, dense MoE in a graph, RoPE /
 # RoPE + FP4 / RMSNorm / SwiGLU kernels = twins), then benchmarks/peer_decode.py (decode grid vs the
@@ -27,11 +28,32 @@ rc=$?
 echo "===== gpu tests (exit $rc)" >>"$out/tests.log"
 tail -30 "$out/tests.log"
 fi
+if [[ $parts == *kernels* ]]; then
+# the GPU tests of the kernels the engine's prefill and decode run (sparse attention, indexer scores and top-k,
+# the MoE router): ~3 minutes
+timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_attention.py tests/kernels/test_indexer.py \
+    tests/kernels/test_router.py -p no:cacheprovider --tb=short --durations=5 >"$out/kernels.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 5 ] && status=1
+echo "===== kernel gpu tests (exit $rc)" >>"$out/kernels.log"
+tail -8 "$out/kernels.log"
+fi
 if [[ $parts == *peer* ]]; then
 timeout 400 python3 benchmarks/peer_decode.py --batches 64 1 16 --contexts 4096 32768 131072 \
     --overlap-cells 64x4096 1x4096 16x4096 64x32768 64x131072 --prefill 8192 32768 --prefill-chunk 8192 32768 \
     --compile-cells 1x4096 --profile 64x4096 --out "$out" >"$out/peer.log" 2>&1
 tail -25 "$out/peer.log"
+fi
+if [[ $parts == *prefill* ]]; then
+# one prompt at 8K / 32K in one chunk: wall vs queued (host) time, profiles of both paths, time to first token;
+# then the same without the peer with the int64-key top-k (an A/B of the top-k method)
+timeout 200 python3 benchmarks/peer_decode.py --contexts --prefill 8192 32768 --prefill-chunk 32768 --ttft 32768 \
+    --profile-prefill 8192 32768 --profile-exact --compile-cells --overlap-cells --profile --out "$out" \
+    >"$out/prefill.log" 2>&1
+timeout 60 python3 benchmarks/peer_decode.py --contexts --prefill 8192 32768 --prefill-chunk 32768 --ttft \
+    --profile-prefill --compile-cells --overlap-cells --profile --no-peer --topk-method keys --out "$out" \
+    >>"$out/prefill.log" 2>&1
+grep -E '^\{"tokens"' "$out/prefill.log" | cut -c1-300
 fi
 if [[ $parts == *load* ]]; then
 # layer-sliced prefill (Engine(prefill_layers=)): one layer pass per step beside the streams (2 and 4 passes
