@@ -95,6 +95,7 @@ def run(model, args, budget: int, layers: int | None, device: str) -> dict:
     engine = Engine(model, max_batch=args.streams + args.prompts, max_seq_len=max(n_ctx, args.prompt_len + 64),
                     max_tokens=args.streams * n_ctx + args.prompts * (args.prompt_len + 64),
                     prefill_chunk=min(budget, args.chunk), token_budget=budget + args.streams, prefill_layers=layers)
+    engine.warm_up()  # every prefill piece shape compiled (1-token and odd pieces too) before the streams start
     streams = {s.id for s in synthetic_running(engine, args.streams, args.context)}
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     V = model.config.vocab_size

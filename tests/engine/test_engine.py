@@ -12,6 +12,7 @@ from dsv41.engine.cache import SequenceCache, private_pools
 from dsv41.engine.engine import Engine
 from dsv41.engine.prefill import prefill
 from dsv41.engine.runner import Runner
+from dsv41.engine.sampling import SamplingParams
 from dsv41.model.state import ForwardContext
 from dsv41.quant.fp4 import fake_quant_index_fp4, fake_quant_kv_fp4
 from dsv41.quant.fp8 import fake_quant_window_fp8
@@ -167,3 +168,26 @@ def test_bytes_per_token_is_measured_from_the_stored_rows():
     tiny = SequenceCache(load_config("tiny"))
     # tiny: a 32-dim latent → 16 + 2 B, 32-dim index key → 16 + 1 B; sources at m=2 and m=1
     assert tiny.bytes_per_token() == (18 + 17) / 2 + (18 + 17)
+
+
+def test_warm_up_leaves_an_idle_engine_that_serves_as_a_fresh_one(tmp_path):
+    """`Engine.warm_up` (serve --warm-up): throwaway prompts through prefill and decode, then nothing of them is
+    left — no request, every slot and page free, nothing in the prefix cache — and a request afterwards gets a
+    fresh engine's tokens; a busy engine refuses it."""
+    from dsv41.engine.prefix import PrefixCache
+    from dsv41.engine.prefix_store import InProcessSWAPool, PersistentStore
+
+    model = engine_test_model(88)
+    cache = PrefixCache(model.config, PersistentStore(tmp_path / "store"), InProcessSWAPool())
+    engine = Engine(model, max_batch=3, prefix_cache=cache)
+    free = {s: engine.pools.free_pages(s) for s in engine.pools.sources}
+    assert engine.warm_up() > 0
+    assert engine.stats.steps > 5 and not engine.has_work()
+    assert {s: engine.pools.free_pages(s) for s in engine.pools.sources} == free
+    assert engine.pools.free_slots == engine.max_batch
+    assert engine.prefix_cache is cache and cache.metrics()["unit_tokens_written"] == 0
+    prompt = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(88)).tolist()
+    assert engine.generate([prompt], max_tokens=6) == Engine(model).generate([prompt], max_tokens=6)
+    engine.add_request(prompt, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.warm_up()

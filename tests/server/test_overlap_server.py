@@ -54,3 +54,11 @@ def test_bad_prefill_chunks_exit_2_in_one_line(argv, capsys):
     code = main([*argv, "--preset", "tiny", "--random-init", "--device", "cpu"])
     err = capsys.readouterr().err
     assert code == 2 and "chunk" in err and "Traceback" not in err, err
+
+
+def test_the_warm_up_flag_parses_on_off_and_unset():
+    """`serve --warm-up / --no-warm-up` (Engine.warm_up before serving; unset: on with CUDA)."""
+    from dsv41.cli import build_parser
+
+    parse = lambda *flags: build_parser().parse_args(["serve", "--preset", "tiny", *flags]).warm_up  # noqa: E731
+    assert parse() is None and parse("--warm-up") is True and parse("--no-warm-up") is False

@@ -297,6 +297,35 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
+    WARM_UP_PROMPTS = ((1,), (17, 17), (160,))  # prompt lengths, one group at a time (a group arrives at once)
+
+    @torch.no_grad()
+    def warm_up(self, groups: tuple[tuple[int, ...], ...] = WARM_UP_PROMPTS) -> float:
+        """Run throwaway prompts through prefill and two decode steps each, so that the kernels of every prefill
+        piece shape are compiled before the first real request: Triton compiles a kernel for each specialization
+        of its integer arguments (1, a multiple of 16, anything else) at its first use — seconds that a live
+        server would otherwise spend with every stream waiting (decode_load: one 2.3 s step when a 255-token
+        piece first ran). The default groups give pieces of 1 token, of an odd count (two prompts at once: a
+        batched piece) and of 16·k, for the encoder layers, the decoder's replay and the decode step. The
+        prefix cache is bypassed; the counters in `stats` include the warm-up. Needs an idle engine; returns
+        the seconds it took."""
+        if self.has_work():
+            raise RuntimeError("Engine.warm_up needs an idle engine (no request waiting or running)")
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(0)
+        prefix_cache, self.prefix_cache = self.prefix_cache, None
+        try:
+            for group in groups:
+                for n in group:
+                    n = max(1, min(n, self.max_seq_len - 3))  # room for the two tokens
+                    self.add_request(torch.randint(3, self.config.vocab_size, (n,), generator=g).tolist(),
+                                     SamplingParams(max_tokens=2))
+                while self.has_work():
+                    self.step()
+        finally:
+            self.prefix_cache = prefix_cache
+        return time.perf_counter() - t0
+
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         """One engine step: the scheduled decode batch, then the scheduled prefill pieces. With `overlap`, a

@@ -69,6 +69,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="launch each decode step before the last one's tokens are read, so the host's bookkeeping "
                         "runs beside the device (docs/engine.md; default: on with CUDA, off with --speculative, "
                         "where --overlap overlaps the plain steps its cost model chooses)")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="before serving, run a few throwaway prompts so that every kernel shape is compiled "
+                        "(Engine.warm_up: no multi-second stall at the first odd-length prompt; default: on with CUDA)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429 (default 256)")
     p.add_argument("--kv-budget-gib", type=float, default=None,
                    help="memory of the engine's KV pools, allocated once at start-up (default: half the free "
@@ -240,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
                                   allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
                                   cors_origins=cors, body_timeout_s=args.body_timeout,
                                   max_concurrent_tokenize=args.max_concurrent_tokenize)
+    engine = scheduler.engine
+    if args.warm_up or (args.warm_up is None and engine.device.type == "cuda"):
+        log.info("warm-up: kernels compiled for every prefill piece shape in %.1f s", engine.warm_up())
     if not _is_loopback(args.host):
         log.warning("binding %s: reachable beyond this machine%s%s", args.host,
                     "" if keys else " and WITHOUT an API key",
