@@ -60,7 +60,12 @@ def _case(name: str, B: int, T: int, device: torch.device, note: str) -> dict:
     kpos = torch.cat((ring_pos, q_pos) if T > 1 else (ring_pos,), dim=1)[:, None, :]
     qp = q_pos[:, :, None]
     visible = int(((kpos >= 0) & (kpos <= qp) & (kpos > qp - W)).sum()) + B * T * K
-    work = 4 * H * D * visible
+    return _entry(name, f"B={B} T={T} H={H} D={D} window={W} top-k={K} ({W + K} keys/query), bf16 q",
+                  4 * H * D * visible, args, note)
+
+
+def _entry(name: str, shape: str, work: int, args: dict, note: str) -> dict:
+    """A case of `benchmarks/kernels.py` (and `sweep.py`) calling the kernel and its twin on `args`."""
 
     @torch.no_grad()
     def run_triton():
@@ -70,9 +75,8 @@ def _case(name: str, B: int, T: int, device: torch.device, note: str) -> dict:
     def run_torch():
         twin.sparse_attention(**args)
 
-    return dict(name=name, shape=f"B={B} T={T} H={H} D={D} window={W} top-k={K} ({W + K} keys/query), bf16 q",
-                unit="flop", work=work, ceiling="matmul", triton=run_triton, torch=run_torch, note=note,
-                sweep=lambda **knobs: fused.sparse_attention(**args, **knobs))
+    return dict(name=name, shape=shape, unit="flop", work=work, ceiling="matmul", triton=run_triton,
+                torch=run_torch, note=note, sweep=lambda **knobs: fused.sparse_attention(**args, **knobs))
 
 
 def _small_prefill_case(name: str, T: int, device: torch.device, note: str, *, ring: bool = True,
@@ -104,18 +108,8 @@ def _small_prefill_case(name: str, T: int, device: torch.device, note: str, *, r
     if entries:
         visible += int((args["topk"] >= 0).sum())
     parts = "+".join(p for p, on in (("ring", ring), ("chunk", chunk), ("entries", entries)) if on)
-
-    @torch.no_grad()
-    def run_triton():
-        fused.sparse_attention(**args)
-
-    @torch.no_grad()
-    def run_torch():
-        twin.sparse_attention(**args)
-
-    return dict(name=name, shape=f"B=1 T={T} H={h} D={d} window={W} top-k={k} ({parts}), bf16 q",
-                unit="flop", work=4 * h * d * visible, ceiling="matmul", triton=run_triton, torch=run_torch,
-                note=note, sweep=lambda **knobs: fused.sparse_attention(**args, **knobs))
+    return _entry(name, f"B=1 T={T} H={h} D={d} window={W} top-k={k} ({parts}), bf16 q", 4 * h * d * visible, args,
+                  note)
 
 
 def cases(device: torch.device) -> list[dict]:
