@@ -168,3 +168,43 @@ def test_fill_batch_writes_each_field_from_its_formula():
             q.cache.tokens.append(q.next_token)
             q.next_token = (q.next_token * 7 + step) % 997 + 3
     assert completed > 12 and all(len(p) > 1 for q in engine.running for p in q.cache.pages.values())
+
+
+@pytest.mark.parametrize("T", [48, 200])  # inside one window, and past it (window_size 128)
+def test_a_static_step_of_more_than_a_window_is_an_exact_prefill_chunk(T):
+    """The static step (`DecodeIO` rows of T positions, `Runner.decode`) run over a prompt in chunks of T — a
+    fresh sequence, then the same one continuing — gives the last position's logits of `prefill(exact=True)`,
+    fp32, and the same cache (entries, window ring): the shape-static path a graph-captured prefill chunk would
+    replay. last_only keeps the logits to the last position."""
+    from dsv41.engine.block_manager import BlockManager
+    from dsv41.engine.cache import SequenceCache
+    from dsv41.engine.prefill import prefill
+    from dsv41.engine.runner import DecodeIO, Runner
+
+    model = engine_test_model(90)
+    c = model.config
+    runner = Runner(model)
+    ids = torch.randint(3, 1000, (2 * T + 5,), generator=torch.Generator().manual_seed(T)).tolist()
+    pools = BlockManager(c, torch.device("cpu"), max_slots=2, max_tokens=2048, max_seq_len=1024, page_rows=16)
+    ref = SequenceCache(c, pools=pools)
+    want = prefill(runner, ref, ids[:2 * T], chunk=T, exact=True)
+    seq = SequenceCache(c, pools=pools)
+    io = DecodeIO(c, pools, 1, T, last_only=True)
+    for k in range(2):
+        chunk = ids[k * T:(k + 1) * T]
+        io.fill_batch([seq], [chunk])
+        io.send()
+        got = runner.decode(io, 1, io.max_entries(1))[0]
+        seq.tokens.extend(chunk)
+    assert io.logits.shape == (1, c.vocab_size)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6 * float(want.abs().max()))
+    assert seq.n_tokens == ref.n_tokens == 2 * T
+    for s in pools.sources:  # the same entries, as the rows each sequence's pages hold
+        a, b = ref.entry_stores[s], seq.entry_stores[s]
+        assert a.n_entries == b.n_entries > 0
+        assert torch.equal(a.kv.read(), b.kv.read()) and torch.equal(a.index_k.read(), b.index_k.read())
+    for layer in range(c.n_layers):  # the window rings hold the same positions and keys
+        assert torch.equal(pools.ring_positions[layer][ref.slot], pools.ring_positions[layer][seq.slot])
+        assert torch.equal(pools.ring_rows[layer][ref.slot], pools.ring_rows[layer][seq.slot])
+    with pytest.raises(ValueError, match="window_size"):
+        DecodeIO(c, pools, 1, c.window_size + 1, rollback=True, projections=True)

@@ -173,8 +173,9 @@ class Runner:
     @torch.no_grad()
     def decode(self, io: DecodeIO, B: int, n_max: dict[int, int]) -> Tensor:
         """The first B rows of `io` advance by io.T tokens each through every layer: one token (a decode
-        step) or a verification block of T positions (speculative decoding). Writes and returns
-        io.logits[:B] — (B, vocab) fp32 for T = 1 (the last position), (B, T, vocab) for T > 1 — and,
+        step), a verification block of T positions (speculative decoding) or an exact prefill chunk of any T
+        (`test_a_static_step_of_more_than_a_window_is_an_exact_prefill_chunk`). Writes and returns
+        io.logits[:B] — (B, vocab) fp32 for T = 1 or io.last_only (the last position), (B, T, vocab) else — and,
         when io.capture_layers is set, the wanted features into io.features (and io.feature_ring) and the
         ratio-m compressors' projections into io.projections. Shapes depend only on (B, n_max): capturable."""
         record = io.record(B, n_max)
@@ -184,7 +185,7 @@ class Runner:
             record.capture = Capture(layers=io.capture_layers, at=io.capture_at, projections=bool(io.projections))
         h, pre_mix = self._layers(record, io.block(B), range(self.config.n_layers))
         out = io.logits[:B]
-        out.copy_(self.logits(h, pre_mix) if io.T == 1 else self.model.head_logits(hc_pre(h, pre_mix)))
+        out.copy_(self.logits(h, pre_mix) if io.last_only else self.model.head_logits(hc_pre(h, pre_mix)))
         capture = record.capture
         if capture is not None:
             for j, layer in enumerate(io.capture_layers):
@@ -442,24 +443,30 @@ def engram_history(prev: list[int], config) -> list[int]:
 
 class DecodeIO:
     """Persistent buffers of the static step for up to `max_batch` rows of T positions each (T = 1: a
-    decode step; T > 1: a speculative verification block).
+    decode step; T > 1: a speculative verification block, or an exact prefill chunk — any T without rollback
+    or feature ring, `last_only` for the last position's logits).
 
     One int64 host buffer (pinned on CUDA) holds every per-row input, one field per row of the
     buffer so that each field's first B entries are a contiguous view; the host fills it and
     `send()` copies it to its device twin in one transfer. Fields: the T tokens, the first position,
     slot, Engram history (k columns: the tokens before the first position), and per kv source its
     entry count after the step and, per position, the pool row of the entry that token completes
-    (−1 = none). `logits` is the step's output: (max_batch, vocab) for T = 1, (max_batch, T, vocab)
-    for T > 1. With `capture_layers`, the step also hands back those layers' features (the mean over
+    (−1 = none). `logits` is the step's output: (max_batch, vocab) for T = 1 or last_only,
+    (max_batch, T, vocab) else. With `capture_layers`, the step also hands back those layers' features (the mean over
     streams, `Capture`) in `features` (n, max_batch, T, dim), and — when `feature_ring` is given, a
     (slots + 1, W, n, dim) tensor — stores them per slot and position % W; with `projections`, the
     ratio-m compressors' projections of every position (a rollback rebuilds partial groups from them)."""
 
     def __init__(self, config, pools: BlockManager, max_batch: int, T: int = 1, *,
                  capture_layers: tuple[int, ...] = (), capture_at: str = "output", projections: bool = False,
-                 feature_ring: Tensor | None = None, rollback: bool = False):
-        if not 1 <= T <= config.window_size:
-            raise ValueError(f"a static step of {T} positions per row; 1 <= T <= window_size = {config.window_size}")
+                 feature_ring: Tensor | None = None, rollback: bool = False, last_only: bool = False):
+        if T < 1:
+            raise ValueError(f"a static step of {T} positions per row; T >= 1")
+        if T > config.window_size and (rollback or feature_ring is not None):
+            # the rollback snapshots and the feature ring hold one window of positions per slot
+            raise ValueError(f"a static step of {T} positions per row with rollback or a feature ring; "
+                             f"T <= window_size = {config.window_size}")
+        self.last_only = last_only or T == 1  # logits of each row's last position only
         self.config, self.pools, self.max_batch, self.T = config, pools, max_batch, T
         self.k = config.engram_max_ngram_size - 1 if config.engram_layer_ids else 0
         self.sources = list(pools.sources)
@@ -472,7 +479,7 @@ class DecodeIO:
         self.host = torch.zeros(n_fields, max_batch, dtype=torch.long, pin_memory=device.type == "cuda")
         self.view = self.host.numpy()  # (F, max_batch) host writes without torch ops
         self.device = torch.zeros(n_fields, max_batch, dtype=torch.long, device=device)
-        shape = (max_batch, config.vocab_size) if T == 1 else (max_batch, T, config.vocab_size)
+        shape = (max_batch, config.vocab_size) if self.last_only else (max_batch, T, config.vocab_size)
         self.logits = torch.zeros(shape, dtype=torch.float32, device=device)
         self.capture_layers, self.capture_at = tuple(capture_layers), capture_at
         # fp32 holds the model's bf16 features exactly
