@@ -208,3 +208,61 @@ def test_a_static_step_of_more_than_a_window_is_an_exact_prefill_chunk(T):
         assert torch.equal(pools.ring_rows[layer][ref.slot], pools.ring_rows[layer][seq.slot])
     with pytest.raises(ValueError, match="window_size"):
         DecodeIO(c, pools, 1, c.window_size + 1, rollback=True, projections=True)
+
+
+@pytest.mark.parametrize("T", [47, 201])  # a window of 32: the second turn's replay overlaps the first's (47)
+def test_static_encoder_chunks_and_replay_are_the_encoder_only_prefill(T):
+    """Encoder-only prefill from static steps: each chunk of T tokens through the encoder layers
+    (`Runner.static_layers`), the decoder's kv source compressed from their output (`static_produce`), then
+    the decoder's bounded replay of the last window from the encoder's tail (replay=True: the window starts at
+    the replay, no entry written, no partial group touched) — a prompt of two chunks, then a second turn of one
+    more on the same sequence, in a config whose decoder has a ratio-2 kv source and an Engram layer. The last
+    position's logits of `prefill(exact=False)` (fp32) and byte-equal entries, index keys, partial groups and
+    window rings of every layer: what graph-captured encoder-only chunks would replay."""
+    from dsv41.engine.block_manager import BlockManager
+    from dsv41.engine.cache import SequenceCache
+    from dsv41.engine.prefill import prefill
+    from dsv41.engine.runner import DecodeIO, Runner
+
+    model = engine_test_model(91, compress_ratios=[0, 0, 2, 2, 2, 2, 2, 2], engram_layer_ids=[1, 5],
+                              engram_num_embeddings=[6126, 6400])
+    c = model.config
+    runner = Runner(model)
+    enc, W = c.encoder_layers, c.window_size
+    assert model.plan[enc].mode == "full" and model.plan[5].engram  # a decoder kv source, a decoder Engram layer
+    ids = torch.randint(3, 1000, (3 * T,), generator=torch.Generator().manual_seed(T + 1)).tolist()
+    pools = BlockManager(c, torch.device("cpu"), max_slots=2, max_tokens=2048, max_seq_len=1024, page_rows=16)
+    ref, seq = SequenceCache(c, pools=pools), SequenceCache(c, pools=pools)
+    io = DecodeIO(c, pools, 1, T, last_only=True)
+    rio = DecodeIO(c, pools, 1, W, last_only=True)
+    for turn in (ids[:2 * T], ids[2 * T:]):
+        want = prefill(runner, ref, turn, chunk=T)
+        tails = []
+        for k in range(0, len(turn), T):
+            chunk = turn[k:k + T]
+            io.fill_batch([seq], [chunk])
+            io.send()
+            n_max = io.max_entries(1)
+            h, pre = runner.static_layers(io, 1, n_max, range(enc))
+            runner.static_produce(io, 1, n_max, enc, h, pre)
+            seq.tokens.extend(chunk)
+            tails.append((h, pre))
+        h = torch.cat([t[0] for t in tails], dim=1)[:, -W:]
+        pre = torch.cat([t[1] for t in tails], dim=1)[:, -W:]
+        rio.fill_batch([seq], [seq.tokens[-W:]], positions=[seq.n_tokens - W], reserve=False)
+        rio.send()
+        h, pre = runner.static_layers(rio, 1, rio.max_entries(1), range(enc, c.n_layers), h, pre,
+                                      compress=False, replay=True)
+        got = runner.logits(h, pre)[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6 * float(want.abs().max()))
+        for s, src in pools.sources.items():
+            a, b = ref.entry_stores[s], seq.entry_stores[s]
+            assert a.n_entries == b.n_entries > 0
+            assert torch.equal(a.kv.read(), b.kv.read()) and torch.equal(a.index_k.read(), b.index_k.read())
+            r = seq.n_tokens % src.ratio  # the open group's members so far (one after the odd second turn)
+            assert torch.equal(src.pending_kv[ref.slot, :r], src.pending_kv[seq.slot, :r])
+            assert torch.equal(src.pending_score[ref.slot, :r], src.pending_score[seq.slot, :r])
+        for layer in range(c.n_layers):
+            assert torch.equal(pools.ring_positions[layer][ref.slot], pools.ring_positions[layer][seq.slot])
+            assert torch.equal(pools.ring_rows[layer][ref.slot], pools.ring_rows[layer][seq.slot])
+    assert seq.n_tokens % 2 == 1

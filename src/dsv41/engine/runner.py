@@ -201,6 +201,29 @@ class Runner:
         return out
 
     @torch.no_grad()
+    def static_layers(self, io: DecodeIO, B: int, n_max: dict[int, int], layers: range, h: Tensor | None = None,
+                      pre_mix: Tensor | None = None, *, compress: bool = True, replay: bool = False
+                      ) -> tuple[Tensor, Tensor]:
+        """The static step of io's first B rows through `layers` only, the streams (h, pre_mix) in (from
+        layers.start > 0) and out, no head: an encoder-only prefill chunk (the encoder layers, `compress`),
+        or the decoder's bounded replay of a window already in the cache (replay: the window starts at each
+        row's first position; compress=False: its entries exist). Device ops only, like `decode`."""
+        record = io.record(B, n_max)
+        record.compress = compress
+        if replay:
+            record.replay_start = record.positions[:, 0].contiguous()
+        return self._layers(record, io.block(B), layers, h, pre_mix)
+
+    @torch.no_grad()
+    def static_produce(self, io: DecodeIO, B: int, n_max: dict[int, int], layer_id: int, h: Tensor,
+                       pre_mix: Tensor) -> None:
+        """`produce` for the static step: the kv source `layer_id`'s entries of io's rows from the streams
+        entering it (encoder-only prefill: the decoder's global KV from the encoder output), written to the
+        rows `fill_batch` reserved."""
+        record = io.record(B, n_max)
+        self._compress_static(layer_id, self.model.layers[layer_id].attn_input(h, pre_mix), record)
+
+    @torch.no_grad()
     def restore(self, io: DecodeIO, B: int) -> None:
         """Undo what the last static step of `io` (rollback=True) wrote past each row's keep count
         (`io.send_keep`), for its first B rows: device ops only, capturable (`DecodeGraphs.restore`)."""
@@ -522,12 +545,15 @@ class DecodeIO:
         for s in self.sources:
             v[self.ROW[s]:self.ROW[s] + self.T, first:last] = -1
 
-    def fill_batch(self, caches: list[SequenceCache], tokens: list[int] | list[list[int]]) -> None:
+    def fill_batch(self, caches: list[SequenceCache], tokens: list[int] | list[list[int]], *,
+                   positions: list[int] | None = None, reserve: bool = True) -> None:
         """Row b runs tokens[b] (one token, or a block of T) at the end of caches[b], for b < B, reserving
         the entry rows the step completes. One host write per field for the whole batch (per-row writes
-        cost ~20 µs a row)."""
+        cost ~20 µs a row). `positions`: the rows' first positions instead of their ends (tokens already in
+        the cache run again — the decoder's bounded replay — with reserve=False: no entry is written)."""
         v, B, T = self.view, len(caches), self.T
-        positions = [c.n_tokens for c in caches]
+        if positions is None:
+            positions = [c.n_tokens for c in caches]
         if T == 1:
             v[self.TOK, :B] = tokens
         else:
@@ -538,7 +564,8 @@ class DecodeIO:
         if k:
             pad = [-1] * k
             # (B, k): the k tokens before each row's first token, left-padded with -1 near the start
-            hist = [(pad + engram_history(c.tokens[-k:], self.config))[-k:] if c.tokens else pad for c in caches]
+            hist = [(pad + engram_history(c.tokens[max(0, p - k):p], self.config))[-k:]
+                    for c, p in zip(caches, positions)]
             v[self.HIST:self.HIST + k, :B] = np.asarray(hist, dtype=np.int64).T
         for s in self.sources:
             stores = [c.entry_stores[s] for c in caches]
@@ -547,7 +574,7 @@ class DecodeIO:
             rows[:, :B] = -1
             for b, (pos, store) in enumerate(zip(positions, stores)):
                 # the positions whose token completes a compressed entry: their rows are reserved now
-                ends = [t for t in range(T) if (pos + t + 1) % m == 0]
+                ends = [t for t in range(T) if (pos + t + 1) % m == 0] if reserve else []
                 if ends:
                     rows[ends, b] = store.reserve(len(ends))
             v[self.CNT[s], :B] = [store.n_entries for store in stores]
