@@ -212,6 +212,29 @@ def host_profile(prof, run, device: str, k: int = 20) -> dict:
             "cprofile_wall_ms": st.total_tt * 1e3}
 
 
+def dsv41_static_prefill(model, n: int, device: str, chunk: int) -> dict:
+    """Encoder-only prefill of one n-token prompt through `StaticPrefill` (chunks of `chunk` tokens and the window
+    from CUDA graphs on CUDA, captured by a first run of the same shapes), beside the host-driven one's numbers."""
+    from dsv41.engine.static_prefill import StaticPrefill
+
+    c = model.config
+    runner = Runner(model)
+    pools = private_pools(c, device, max_tokens=n + 8)
+    static = StaticPrefill(runner, pools, chunk=min(chunk, n))
+    ids = torch.randint(3, c.vocab_size, (n,)).tolist()
+
+    def run() -> None:
+        seq = SequenceCache(c, pools=pools)
+        static(seq, ids)
+        seq.release()  # its slot and pages back for the next run
+
+    run()  # captures
+    run()
+    best = min(timed(run, device, 1) for _ in range(3))
+    return {"tokens": n, "chunk": static.chunk, "static_ms": best * 1e3, "static_tok_s": n / best,
+            "graphs": static.graphs, "captures": static.captures}
+
+
 def dsv41_prefill(model, n: int, device: str, chunk: int) -> dict:
     c = model.config
     runner = Runner(model)
@@ -411,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-prefill", type=int, nargs="*", default=None,
                     help="prompt lengths whose prefill is profiled (default: the longest --prefill)")
     ap.add_argument("--profile-exact", action="store_true", help="profile exact prefill too")
+    ap.add_argument("--static-prefill", action="store_true",
+                    help="also time each --prefill prompt through StaticPrefill (static steps, CUDA graphs)")
     ap.add_argument("--topk-method", choices=("auto", "keys", "threshold"), default=None,
                     help="the indexer's top-k method for this run (default: the library's, TOPK_METHOD)")
     ap.add_argument("--no-peer", action="store_true", help="dsv41 only (no transformers needed)")
@@ -497,10 +522,15 @@ def main(argv: list[str] | None = None) -> int:
         row = {"tokens": n, "dsv41": min(by_chunk, key=lambda r: r["encoder_only_ms"]) if by_chunk else None,
                "by_chunk": by_chunk}
         best_chunk[n] = row["dsv41"]["chunk"] if row["dsv41"] else args.prefill_chunk[0]
+        if args.static_prefill:
+            row["dsv41_static"] = attempt(f"dsv41 static prefill {n}", lambda: dsv41_static_prefill(
+                model, n, device, max(args.prefill_chunk)))
         if hf is not None:
             row["peer"] = attempt(f"peer prefill {n}", lambda: peer_prefill(hf, n, device))
             if row["dsv41"] and row["peer"]:
                 row["encoder_only_vs_peer_throughput"] = row["dsv41"]["encoder_only_tok_s"] / row["peer"]["tok_s"]
+            if row.get("dsv41_static") and row["peer"]:
+                row["static_vs_peer_throughput"] = row["dsv41_static"]["static_tok_s"] / row["peer"]["tok_s"]
         report["prefill"].append(row)
         save()
         print(json.dumps(row, default=str))
