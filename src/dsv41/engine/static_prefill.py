@@ -63,6 +63,7 @@ class StaticPrefill:
         for lo in range(0, len(tokens), self.chunk):
             piece = tokens[lo:lo + self.chunk]
             io = self._io(len(piece))
+            io.wait_sent()  # the last copy out of its pinned host buffer is done before it is written again
             io.fill_batch([seq], [piece])
             io.send()
             h, pre = self._run(io, "encoder", len(piece) == self.chunk)
@@ -71,6 +72,7 @@ class StaticPrefill:
         h = torch.cat([t[0] for t in tail], dim=1)[:, -n_win:]
         pre = torch.cat([t[1] for t in tail], dim=1)[:, -n_win:]
         rio = self._io(n_win)
+        rio.wait_sent()
         rio.fill_batch([seq], [seq.tokens[-n_win:]], positions=[seq.n_tokens - n_win], reserve=False)
         rio.send()
         full = n_win == W and self.graphs
