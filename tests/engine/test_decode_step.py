@@ -266,3 +266,36 @@ def test_static_encoder_chunks_and_replay_are_the_encoder_only_prefill(T):
             assert torch.equal(pools.ring_positions[layer][ref.slot], pools.ring_positions[layer][seq.slot])
             assert torch.equal(pools.ring_rows[layer][ref.slot], pools.ring_rows[layer][seq.slot])
     assert seq.n_tokens % 2 == 1
+
+
+def test_fill_batch_reserves_the_rows_of_a_block_where_its_tokens_complete_groups():
+    """A block of T positions from any start: per kv source of ratio m, the positions t with (pos + t + 1) % m == 0
+    get the next entry rows in order (page id · R + offset), the others −1, the count grows by their number;
+    reserve=False (a replay of cached tokens) reserves none."""
+    from dsv41.engine.block_manager import BlockManager
+    from dsv41.engine.cache import SequenceCache
+    from dsv41.engine.runner import DecodeIO
+
+    model = engine_test_model(64, compress_ratios=[0, 0, 4, 4, 2, 2, 2, 2])
+    c = model.config
+    pools = BlockManager(c, torch.device("cpu"), max_slots=1, max_tokens=2048, max_seq_len=1024, page_rows=4)
+    seq = SequenceCache(c, pools=pools)
+    T = 7
+    io = DecodeIO(c, pools, 1, T)
+    for step in range(9):
+        pos, before = seq.n_tokens, {s: seq.entry_stores[s].n_entries for s in io.sources}
+        io.fill_batch([seq], [[5] * T])
+        for s in io.sources:
+            m, R = seq.entry_stores[s].ratio, pools.page_rows
+            ends = [t for t in range(T) if (pos + t + 1) % m == 0]
+            want = [-1] * T
+            for j, t in enumerate(ends):
+                e = before[s] + j
+                want[t] = seq.pages[s][e // R] * R + e % R
+            assert list(io.view[io.ROW[s]:io.ROW[s] + T, 0]) == want, (step, s)
+            assert io.view[io.CNT[s], 0] == before[s] + len(ends)
+        seq.tokens.extend([5] * T)
+    assert {seq.entry_stores[s].ratio for s in io.sources} == {4, 2}
+    io.fill_batch([seq], [[5] * T], positions=[seq.n_tokens - T], reserve=False)
+    for s in io.sources:
+        assert list(io.view[io.ROW[s]:io.ROW[s] + T, 0]) == [-1] * T

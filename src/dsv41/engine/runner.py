@@ -574,9 +574,9 @@ class DecodeIO:
             rows[:, :B] = -1
             for b, (pos, store) in enumerate(zip(positions, stores)):
                 # the positions whose token completes a compressed entry: their rows are reserved now
-                ends = [t for t in range(T) if (pos + t + 1) % m == 0] if reserve else []
-                if ends:
-                    rows[ends, b] = store.reserve(len(ends))
+                ends = range((m - 1 - pos) % m, T, m) if reserve else range(0)  # (pos + t + 1) % m == 0
+                if len(ends):
+                    rows[ends.start:T:m, b] = store.reserve(len(ends))
             v[self.CNT[s], :B] = [store.n_entries for store in stores]
 
     def send(self) -> None:
