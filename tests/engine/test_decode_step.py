@@ -299,3 +299,25 @@ def test_fill_batch_reserves_the_rows_of_a_block_where_its_tokens_complete_group
     io.fill_batch([seq], [[5] * T], positions=[seq.n_tokens - T], reserve=False)
     for s in io.sources:
         assert list(io.view[io.ROW[s]:io.ROW[s] + T, 0]) == [-1] * T
+
+
+def test_reserve_gives_the_page_rows_of_the_next_entries_for_any_count():
+    """`PagedRows.reserve`: the next n logical rows as pool row ids (page id · R + offset), the same for a
+    decode step's single row (Python) and a prefill chunk's many (numpy), across page boundaries."""
+    from dsv41.engine.block_manager import BlockManager
+    from dsv41.engine.cache import SequenceCache
+
+    model = engine_test_model(65)
+    c = model.config
+    pools = BlockManager(c, torch.device("cpu"), max_slots=2, max_tokens=4096, max_seq_len=2048, page_rows=8)
+    other = SequenceCache(c, pools=pools)
+    seq = SequenceCache(c, pools=pools)
+    s = next(iter(pools.sources))
+    rows, got = seq.entry_stores[s].kv, []
+    for n in (1, 64, 65, 3, 300, 1):
+        got += rows.reserve(n)
+        other.entry_stores[s].kv.reserve(5)  # interleaved pages: the sequence's pages are not contiguous
+    R, pages = pools.page_rows, seq.pages[s]
+    assert got == [pages[i // R] * R + i % R for i in range(rows.n_rows)] and rows.n_rows == 434
+    theirs = {other.pages[s][i // R] * R + i % R for i in range(other.entry_stores[s].kv.n_rows)}
+    assert len(set(got)) == len(got) and not set(got) & theirs  # no row given twice, none of another sequence's
