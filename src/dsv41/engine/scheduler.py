@@ -96,7 +96,6 @@ class Scheduler:
         if idle_chunk is not None and idle_chunk < 1:
             raise ValueError(f"idle_chunk must be >= 1 (or None: off), got {idle_chunk}")
         self.idle_chunk = idle_chunk  # a step without decode rows: chunks (and budget) of up to this many tokens
-        self._chunk: int | None = None  # this step's chunk bound (None: each job's own)
         if prefill_layers is not None and prefill_layers < 1:
             raise ValueError(f"prefill_layers must be >= 1 (or None: no layer bound), got {prefill_layers}")
         self.capacity = capacity
@@ -144,15 +143,15 @@ class Scheduler:
         # the layer bound protects decoding streams' gaps; a step without them runs its pieces whole, and in
         # chunks of up to idle_chunk tokens
         layers = self.prefill_layers if out.decode else None
-        self._chunk = None
+        chunk = None  # this step's chunk bound (None: each job's own)
         if not out.decode and self.idle_chunk:
-            self._chunk = self.idle_chunk
+            chunk = self.idle_chunk
             budget = max(budget, self.idle_chunk)
         # 2. the next pieces of every sequence still prefilling, oldest first (a run in progress
         #    continues whatever the token budget: its tokens were counted when it started)
         for seq in self.running:
             if seq.prefilling and (budget > 0 or seq.job.in_progress) and (layers is None or layers > 0 or self._keys):
-                budget, layers = self._piece(seq, budget, layers, out, plan)
+                budget, layers = self._piece(seq, budget, layers, out, plan, chunk)
         # 3. admit from the queue (FIFO, no overtaking) while the budget and the batch have room, and
         #    the head's whole prompt fits beside what the running prefills still need
         committed = plan.commitments([s for s in self.running if s.prefilling])
@@ -169,18 +168,19 @@ class Scheduler:
             out.admitted.append(seq)
             if seq.prefilling:
                 committed = plan.commitments([s for s in self.running if s.prefilling])
-                budget, layers = self._piece(seq, budget, layers, out, plan)
+                budget, layers = self._piece(seq, budget, layers, out, plan, chunk)
             elif plan.claim(seq, self.capacity.pages_to_grow(seq, self.decode_tokens)):  # swapped back in mid-decode
                 out.decode.append(seq)
                 budget -= self.decode_tokens
         return out
 
     def _piece(self, seq: Sequence, budget: int, layers: int | None, out: ScheduledBatch,
-               plan: _Pages) -> tuple[int, int | None]:
-        """Schedule the prefill pieces of `seq` that fit in the token and layer budgets; returns what is
-        left of both. Pages are claimed for every chunk a piece belongs to (taken by its Full layers)."""
+               plan: _Pages, chunk: int | None) -> tuple[int, int | None]:
+        """Schedule the prefill pieces of `seq` that fit in the token and layer budgets (runs of up to `chunk`
+        tokens, None: the job's own); returns what is left of both. Pages are claimed for every chunk a piece
+        belongs to (taken by its Full layers)."""
         rider = self._ride(seq, budget) if layers is not None else None
-        pieces = rider or seq.job.plan(budget, alone=not out, layers=layers, chunk=self._chunk)
+        pieces = rider or seq.job.plan(budget, alone=not out, layers=layers, chunk=chunk)
         while pieces and not plan.claim(seq, self.capacity.pages_to_grow(seq, sum(p.grows for p in pieces))):
             pieces.pop()  # waits for pages (a later step, or after a finish frees some)
         out.prefill.extend((seq, p) for p in pieces)
@@ -198,7 +198,7 @@ class Scheduler:
         if not (self.batch_pieces and self._keys and seq.job.batchable):
             return None
         for n_layers in sorted({key[3] for key in self._keys}, reverse=True):
-            pieces = seq.job.plan(budget, alone=False, layers=n_layers, chunk=self._chunk)
+            pieces = seq.job.plan(budget, alone=False, layers=n_layers)  # beside decode rows: the job's own chunk
             if len(pieces) == 1 and pieces[0].key in self._keys:
                 return pieces
         return None

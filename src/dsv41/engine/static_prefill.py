@@ -19,7 +19,7 @@ from torch import Tensor
 
 from dsv41.engine.block_manager import BlockManager
 from dsv41.engine.cache import SequenceCache
-from dsv41.engine.graphs import entry_bound
+from dsv41.engine.graphs import capture_graph, entry_bound
 from dsv41.engine.prefill import encoder_only_supported
 from dsv41.engine.runner import DecodeIO, Runner
 from dsv41.plan import FULL
@@ -116,15 +116,8 @@ class StaticPrefill:
         the real inputs back (`graphs.DecodeGraphs._capture`'s rule); the outputs stay where the graph writes."""
         real = io.device.clone()
         io.device.copy_(io.pad_device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step(io, kind, n_max, h, pre)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._step(io, kind, n_max, h, pre)
+        out: dict[str, tuple[Tensor, Tensor]] = {}  # the captured run's streams (the warm-ups' are overwritten)
+        graph = capture_graph(lambda: out.update(streams=self._step(io, kind, n_max, h, pre)), self._pool)
         io.device.copy_(real)
         self.captures += 1
-        return graph, out
+        return graph, out["streams"]
