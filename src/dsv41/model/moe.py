@@ -311,6 +311,19 @@ def _use_grouped(impl: MoEImpl, x: Tensor) -> bool:
     return _grouped_ok(x.device.type, _compute_dtype(x), torch.compiler.is_compiling())
 
 
+def _capturing(x: Tensor) -> bool:
+    """x's forward is being captured into a CUDA graph (never under torch.compile's tracing)."""
+    return x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
+
+
+def _dense_while_capturing(impl: MoEImpl, x: Tensor) -> bool:
+    """A forward being captured takes the dense dispatch unless the grouped one is capturable: torch's CUDA
+    grouped_mm reads its offsets on the device for bf16 only (torch 2.11: other dtypes copy them from pageable
+    host memory, which a capture refuses), and the loop reads the counts on the host. The dense dispatch
+    computes the same function (`GroupedExperts.dense`), at E/k times the routed FLOPs."""
+    return _capturing(x) and not (_use_grouped(impl, x) and _compute_dtype(x) == torch.bfloat16)
+
+
 # ---------------------------------------------------------------------- MoE
 class MoE(nn.Module):
     """Shared expert + top-k routed experts; records per-modality loads and the balance loss in training.
@@ -320,7 +333,10 @@ class MoE(nn.Module):
     `config.balance_loss_weight`. Both are None after an eval forward. `moe_impl` picks the dispatch:
     "auto" (grouped_mm wherever the probe finds it working for the device and compute dtype — CPU fp32 /
     bf16 in torch 2.13, CUDA bf16 — and, under torch.compile, only where its meta kernel traces: bf16; else
-    the loop), "loop", "grouped" or "dense" (every expert on every token, `GroupedExperts.dense`).
+    the loop), "loop", "grouped" or "dense" (every expert on every token, `GroupedExperts.dense`). A forward
+    captured into a CUDA graph takes "dense" where the grouped dispatch cannot be captured (`_dense_while_capturing`),
+    and a forward of at most `dense_tokens` tokens takes it whatever `moe_impl` says (the engine's decode steps:
+    fewer kernels than a sort and three grouped products at a few rows; prefill chunks keep the routed FLOPs).
     """
 
     def __init__(self, layer_id: int, config: ModelConfig, moe_impl: MoEImpl = "auto") -> None:
@@ -329,6 +345,7 @@ class MoE(nn.Module):
         self.vision_enabled = config.vision_enabled
         self.bias_update_speed = config.bias_update_speed
         self.moe_impl: MoEImpl = moe_impl
+        self.dense_tokens = 0  # forwards of at most this many tokens take the dense dispatch (0: none)
         self.gate = Gate(layer_id, config)
         self.experts = GroupedExperts(self.n_routed, config.dim, config.moe_inter_dim, config.swiglu_limit)
         self.shared_experts = Expert(config.dim, config.moe_inter_dim, config.swiglu_limit)
@@ -352,7 +369,8 @@ class MoE(nn.Module):
         if not self.vision_enabled:
             image_mask = None  # a text-only model routes every token with `bias`
         img = image_mask.reshape(B * T) if image_mask is not None else None  # (N,)
-        dense = self.moe_impl == "dense" and self.expert_dispatch is None
+        dense = self.expert_dispatch is None and (self.moe_impl == "dense" or B * T <= self.dense_tokens
+                                                  or _dense_while_capturing(self.moe_impl, x))
         weights, indices, scores, route = self.gate.route(flat, img, dense)  # (N, k), (N, k), (N, E), (N, E)
         if self.expert_dispatch is not None:
             y = torch.add(self.expert_dispatch(self, flat, weights, indices), self.shared_experts(flat))  # fp32
