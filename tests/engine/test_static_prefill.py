@@ -1,10 +1,12 @@
-"""`StaticPrefill`: encoder-only prefill from static steps (CUDA graphs on the GPU) is `prefill(exact=False)`.
+"""`StaticPrefill`: prefill from static steps over ragged power-of-two shapes (CUDA graphs on the GPU) is
+`prefill()` — encoder-only and exact.
 
 CPU, fp32, against the host-driven prefill (`PrefillJob`, the engine's path — itself checked against the
 training forward in test_engine.py): the last position's logits and byte-equal caches — every kv source's
 entries, index keys and open partial group, every layer's window ring — for prompts of several lengths
-(shorter than a window, a chunk and a remainder, whole chunks), a second turn on the same sequence, and a
-config with a ratio-2 decoder source and a decoder Engram layer. On the GPU: graph replay = eager."""
+(shorter than a window, a chunk and a remainder, whole chunks; every piece padded to its shape, the padding
+crossing group ends and window ends), a second turn on the same sequence, and a config with a ratio-2 decoder
+source and a decoder Engram layer. On the GPU: graph replay = eager."""
 
 from __future__ import annotations
 
@@ -26,41 +28,92 @@ def _model(seed: int):
                              engram_num_embeddings=[6126, 6400])
 
 
+def _same_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Packed FP4 / FP8 bytes equal, but for a rare flip: a padded piece's products run at another shape than the
+    host path's (fp32 rounding of their own, ~1e-7), which can move a value across a rounding boundary (one
+    in ~10^5; none measured here). A wrong row written is hundreds of bytes; the bound is a tenth of a percent."""
+    assert got.shape == want.shape, what
+    wrong = (got != want).float().mean().item()
+    assert wrong <= 1e-3, f"{what}: {wrong:.2%} of the bytes differ"
+
+
 def _same_caches(pools: BlockManager, ref: SequenceCache, seq: SequenceCache) -> None:
     assert seq.tokens == ref.tokens
     for s, src in pools.sources.items():
         a, b = ref.entry_stores[s], seq.entry_stores[s]
         assert a.n_entries == b.n_entries
-        assert torch.equal(a.kv.read(), b.kv.read()) and torch.equal(a.index_k.read(), b.index_k.read())
+        _same_bytes(b.kv.read(), a.kv.read(), f"source {s} entries")
+        _same_bytes(b.index_k.read(), a.index_k.read(), f"source {s} index keys")
         r = seq.n_tokens % src.ratio
-        assert torch.equal(src.pending_kv[ref.slot, :r], src.pending_kv[seq.slot, :r])
+        # fp32 projections: a padded piece's products run at another shape (rounding of its own, ~1e-7)
+        torch.testing.assert_close(src.pending_kv[seq.slot, :r], src.pending_kv[ref.slot, :r], rtol=0, atol=1e-6)
     for layer in range(len(pools.ring_rows)):
         assert torch.equal(pools.ring_positions[layer][ref.slot], pools.ring_positions[layer][seq.slot])
-        assert torch.equal(pools.ring_rows[layer][ref.slot], pools.ring_rows[layer][seq.slot])
+        _same_bytes(pools.ring_rows[layer][seq.slot], pools.ring_rows[layer][ref.slot], f"layer {layer} ring")
 
 
-@pytest.mark.parametrize("lengths", [(9,), (61,), (100, 45), (96,)], ids=str)  # chunk 24, window 32
-def test_static_prefill_is_the_host_driven_encoder_only_prefill(lengths):
+# chunk 24 → shapes 4, 8, 16, 32 (every full piece padded by 8); window 32; ratios 2 (and 4, 128 in tiny's plan)
+@pytest.mark.parametrize("exact", [False, True], ids=["encoder-only", "exact"])
+@pytest.mark.parametrize("lengths", [(9,), (61,), (100, 45), (96,), (3, 1, 30)], ids=str)
+def test_static_prefill_is_the_host_driven_prefill(lengths, exact):
     model = _model(92)
     c = model.config
     runner = Runner(model)
-    pools = BlockManager(c, torch.device("cpu"), max_slots=2, max_tokens=2048, max_seq_len=1024, page_rows=16)
+    pools = BlockManager(c, torch.device("cpu"), max_slots=3, max_tokens=2048, max_seq_len=1024, page_rows=16)
     ref, seq = SequenceCache(c, pools=pools), SequenceCache(c, pools=pools)
-    static = StaticPrefill(runner, pools, chunk=24)
+    other = SequenceCache(c, pools=pools)  # a sequence beside them: padding must never write its state
+    prefill(runner, other, torch.randint(3, 1000, (50,), generator=torch.Generator().manual_seed(1)).tolist())
+    before = _state(pools, other)
+    static = StaticPrefill(runner, pools, chunk=24, min_tokens=4)
     g = torch.Generator().manual_seed(sum(lengths))
     for n in lengths:  # turns on the same sequence
         prompt = torch.randint(3, 1000, (n,), generator=g).tolist()
-        want = prefill(runner, ref, prompt, chunk=24)
-        got = static(seq, prompt)
+        want = prefill(runner, ref, prompt, chunk=24, exact=exact)
+        got = static(seq, prompt, exact=exact)
         torch.testing.assert_close(got, want, rtol=0, atol=2e-6 * float(want.abs().max()))
         _same_caches(pools, ref, seq)
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(pools, other)))
+    assert static.pieces >= sum(-(-n // 24) for n in lengths)
+
+
+def _state(pools: BlockManager, seq: SequenceCache) -> list[torch.Tensor]:
+    """Everything of one sequence's cache: entries and index keys of each source, its rings and partial groups."""
+    out = []
+    for s, src in pools.sources.items():
+        out += [seq.entry_stores[s].kv.read().clone(), seq.entry_stores[s].index_k.read().clone()]
+        if src.pending_kv is not None:
+            out.append(src.pending_kv[seq.slot].clone())
+    for layer in range(len(pools.ring_rows)):
+        out += [pools.ring_rows[layer][seq.slot].clone(), pools.ring_positions[layer][seq.slot].clone()]
+    return out
+
+
+def test_pieces_run_at_power_of_two_shapes():
+    """A piece of n tokens runs at the first shape ≥ n (one io per shape, so a server holds a bounded set);
+    the shapes run from min_tokens to the first power of two ≥ chunk."""
+    from dsv41.engine.static_prefill import token_buckets
+
+    assert token_buckets(64, 16384) == [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert token_buckets(5, 24) == [8, 16, 32]
+    model = _model(91)
+    pools = BlockManager(model.config, torch.device("cpu"), max_slots=1, max_tokens=1024, max_seq_len=512)
+    static = StaticPrefill(Runner(model), pools, chunk=100, min_tokens=16)
+    assert [static.bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+    with pytest.raises(ValueError, match="longer"):
+        static.bucket(129)
+    seq = SequenceCache(model.config, pools=pools)
+    static(seq, list(range(3, 250)))  # pieces of 100, 100, 47 and a replay of 32
+    assert sorted(static._ios) == [32, 64, 128]
 
 
 def test_static_prefill_refuses_what_it_cannot_run():
     model = _model(93)
-    pools = BlockManager(model.config, torch.device("cpu"), max_slots=1, max_tokens=256, max_seq_len=256)
+    pools = BlockManager(model.config, torch.device("cpu"), max_slots=2, max_tokens=256, max_seq_len=256)
     with pytest.raises(ValueError, match="chunk"):
         StaticPrefill(Runner(model), pools, chunk=0)
+    with pytest.raises(ValueError, match="replay"):
+        StaticPrefill(Runner(model), pools).replay(SequenceCache(model.config, pools=pools), 0,
+                                                   torch.zeros(1, 0, 4, 8), torch.zeros(1, 0, 4))
     with pytest.raises(ValueError, match="CUDA"):
         StaticPrefill(Runner(model), pools, graphs=True)
     with pytest.raises(ValueError, match="token"):
@@ -71,22 +124,178 @@ def test_static_prefill_refuses_what_it_cannot_run():
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_static_prefill_graphs_equal_eager(dtype):
-    """Replayed from CUDA graphs (full chunks and windows, captured on padding; three turns on one sequence,
-    so that later chunks replay a graph whose outputs an earlier chunk's tail came from) = the same steps
-    eagerly."""
+    """Replayed from CUDA graphs (every piece: shapes 16 … 64 captured on padding; four turns on one sequence, so
+    that later pieces replay a graph whose outputs an earlier piece's tail came from; an exact prompt on a second
+    sequence) = the same steps eagerly, logits and caches. fp32 captures take the dense MoE dispatch
+    (`moe._dense_while_capturing`): the same function, rounded in another order."""
     from dsv41.engine.engine import cast_for_engine
 
     model = cast_for_engine(_model(94).cuda(), dtype)
     c = model.config
     runner = Runner(model)
-    out = {}
+    out, states = {}, {}
     for graphs in (False, True):
-        pools = BlockManager(c, torch.device("cuda"), max_slots=2, max_tokens=4096, max_seq_len=2048)
-        static = StaticPrefill(runner, pools, chunk=64, graphs=graphs, min_entries=64)
-        seq = SequenceCache(c, pools=pools)
+        pools = BlockManager(c, torch.device("cuda"), max_slots=3, max_tokens=4096, max_seq_len=2048)
+        static = StaticPrefill(runner, pools, chunk=64, min_tokens=16, graphs=graphs, min_entries=64)
+        seq, other = SequenceCache(c, pools=pools), SequenceCache(c, pools=pools)
         g = torch.Generator().manual_seed(5)
-        out[graphs] = [static(seq, torch.randint(3, 1000, (n,), generator=g).tolist()) for n in (300, 128, 77)]
+        out[graphs] = [static(seq, torch.randint(3, 1000, (n,), generator=g).tolist()) for n in (300, 128, 77, 5)]
+        out[graphs].append(static(other, torch.randint(3, 1000, (150,), generator=g).tolist(), exact=True))
+        states[graphs] = _state(pools, seq) + _state(pools, other)
         if graphs:
-            assert static.captures >= 2
+            assert static.captures >= 4
     for a, b in zip(out[False], out[True]):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * float(a.abs().max()))
+    for a, b in zip(states[False], states[True]):
+        if a.dtype == torch.uint8:
+            _same_bytes(b, a, "packed cache")
+        else:
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-3 * float(a.abs().max()))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_engine_with_static_prefill_decodes_as_the_host_path():
+    """On CUDA (bf16, graphs): the engine's default static prefill gives the greedy tokens of the host path."""
+    from dsv41.engine.engine import Engine, cast_for_engine
+
+    model = cast_for_engine(_model(96).cuda(), torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (400, 37, 5, 290)]  # max_seq_len 512
+    outputs = {}
+    for static in (None, False):
+        engine = Engine(model, max_batch=4, prefill_chunk=64, idle_prefill_chunk=256, static_prefill=static)
+        assert (engine.static is not None) == (static is None)
+        outputs[static] = engine.generate(prompts, max_tokens=8)
+        if static is None:
+            assert engine.stats.static_prefill_runs >= len(prompts)
+    same = sum(a == b for a, b in zip(outputs[None], outputs[False]))
+    assert same >= len(prompts) - 1, outputs  # bf16: a near-tie may flip one greedy token (and its stream)
+
+
+@pytest.mark.parametrize("prefill_layers", [None, 2], ids=["whole-runs", "layer-budget"])
+def test_the_engine_runs_whole_prefill_runs_from_static_steps(monkeypatch, prefill_layers):
+    """`Engine(static_prefill=True)` (static steps run eagerly on the CPU) samples every token from the logits the
+    host path gives, within the rounding of padded shapes: prompts of several lengths (an exact one among them)
+    arrive while others decode and when the engine is idle, whole runs go to `StaticPrefill` — every run when no
+    layer budget cuts them, the idle steps' runs under one — and the rest to the host path."""
+    from tests.engine.test_engine_scheduling import spy_logits
+
+    from dsv41.engine.engine import Engine
+    from dsv41.engine.sampling import SamplingParams
+
+    model = _model(95)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (150, 37, 5, 90, 61)]
+    seen, outputs, stats = {}, {}, {}
+    for static in (False, True):
+        logits = spy_logits(monkeypatch)
+        engine = Engine(model, max_batch=4, prefill_chunk=16, idle_prefill_chunk=64, prefill_layers=prefill_layers,
+                        static_prefill=static)
+        assert (engine.static is not None) == static
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=6), exact_prefill=i == 3)
+                for i, p in enumerate(prompts[:2])]
+        for _ in range(3):
+            engine.step()
+        seqs += [engine.add_request(p, SamplingParams(max_tokens=6), exact_prefill=i == 1)
+                 for i, p in enumerate(prompts[2:])]
+        while engine.has_work():
+            engine.step()
+        outputs[static] = [s.output for s in seqs]
+        seen[static] = [torch.stack(logits[s.id]) for s in seqs]
+        stats[static] = engine.stats.static_prefill_runs
+        monkeypatch.undo()
+    assert outputs[True] == outputs[False]
+    for got, want in zip(seen[True], seen[False]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))  # measured ~1e-7
+    assert stats[False] == 0
+    # runs: each prompt's encoder chunks (16 tokens beside decoding streams, up to 64 when idle) and its replay
+    assert stats[True] >= (len(prompts) if prefill_layers else 2 * len(prompts) + 9)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_a_failed_capture_is_tried_again_and_static_prefill_falls_back_to_eager(monkeypatch):
+    """`capture_graph` tries a capture that failed once more (after the allocator's free blocks are released); a
+    StaticPrefill whose captures keep failing runs its pieces eagerly (the same logits), never failing the prompt."""
+    from dsv41.engine import graphs as graphs_module
+    from dsv41.engine import static_prefill as static_module
+
+    x = torch.ones(4, device="cuda")
+    calls = []
+
+    def step() -> None:
+        calls.append(torch.cuda.is_current_stream_capturing())
+        if calls.count(True) == 1 and calls[-1]:
+            raise RuntimeError("simulated: operation not permitted when stream is capturing")
+        x.mul_(2)
+
+    graph = graphs_module.capture_graph(step, torch.cuda.graph_pool_handle())
+    assert calls == [False, False, True, True]  # two warm-ups, the failed capture, the capture again
+    x.fill_(1)
+    graph.replay()
+    assert torch.equal(x, torch.full_like(x, 2))
+
+    model = _model(97).cuda()
+    c = model.config
+    runner = Runner(model)
+    prompt = torch.randint(3, 1000, (150,), generator=torch.Generator().manual_seed(2)).tolist()
+    out = {}
+    for failing in (False, True):
+        if failing:
+            def refuse(*args, **kwargs):
+                raise RuntimeError("simulated capture failure")
+            monkeypatch.setattr(static_module, "capture_graph", refuse)
+        pools = BlockManager(c, torch.device("cuda"), max_slots=1, max_tokens=1024, max_seq_len=512)
+        static = StaticPrefill(runner, pools, chunk=64, min_tokens=16, graphs=False, min_entries=64)
+        if failing:
+            static.graphs, static._pool = True, torch.cuda.graph_pool_handle()  # graphs asked for; captures refused
+        out[failing] = static(SequenceCache(c, pools=pools), prompt)
+        assert static.graphs is False
+    torch.testing.assert_close(out[True], out[False], rtol=0, atol=0)
+
+
+def test_a_job_hands_static_only_whole_runs_that_start_their_windows_afresh():
+    """`PrefillJob(static=)`: a run asked for in full goes to `StaticPrefill`; a piece cut between layers (the layer
+    budget beside decoding streams) stays on the host path and so does the rest of its run; a short suffix whose
+    decoder windows continue an exact turn (`decoder_windows_valid`) is replayed by the host path without
+    truncation — the same logits as the host path alone in each case."""
+    from dsv41.engine.prefill import PrefillJob
+
+    model = _model(98)
+    c = model.config
+    runner = Runner(model)
+    pools = BlockManager(c, torch.device("cpu"), max_slots=4, max_tokens=2048, max_seq_len=512, page_rows=16)
+    static = StaticPrefill(runner, pools, chunk=64, min_tokens=8)
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, 1000, (90,), generator=g).tolist()
+
+    ref = PrefillJob(runner, SequenceCache(c, pools=pools), prompt, chunk=64)
+    job = PrefillJob(runner, SequenceCache(c, pools=pools), prompt, chunk=64, static=static)
+    assert ref.step(64, layers=1) is None and job.step(64, layers=1) is None  # a piece of one layer: host path
+    assert job.static_runs == 0 and job.run is not None
+    while ref.run is not None:
+        ref.step()
+        job.step()
+    assert job.static_runs == 0  # the rest of a run begun on the host path stays there
+    want = prefill_rest(ref)
+    got = prefill_rest(job)
+    assert job.static_runs == 2  # the last chunk and the decoder replay, whole
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6 * float(want.abs().max()))
+
+    # an exact turn, then a suffix shorter than a window that continues its decoder windows
+    first, suffix = prompt[:70], prompt[70:]
+    caches = []
+    for use_static in (False, True):
+        seq = SequenceCache(c, pools=pools)
+        prefill(runner, seq, first, chunk=64, exact=True)
+        out = prefill(runner, seq, suffix, chunk=64, decoder_windows_valid=True, static=static if use_static else None)
+        caches.append(out)
+    torch.testing.assert_close(caches[1], caches[0], rtol=0, atol=2e-6 * float(caches[0].abs().max()))
+
+
+def prefill_rest(job) -> torch.Tensor:
+    while True:
+        logits = job.step()
+        if logits is not None:
+            return logits

@@ -62,3 +62,21 @@ def test_the_warm_up_flag_parses_on_off_and_unset():
 
     parse = lambda *flags: build_parser().parse_args(["serve", "--preset", "tiny", *flags]).warm_up  # noqa: E731
     assert parse() is None and parse("--warm-up") is True and parse("--no-warm-up") is False
+
+
+def test_a_server_with_static_prefill_serves_the_same_completions(start_server):
+    """`serve --static-prefill` (whole prefill runs from static steps; eager on the CPU): the completions of the
+    host-driven prefill, and the static path really ran."""
+    plain = start_server(max_batch=4, engine_options={"static_prefill": False})
+    static = start_server(max_batch=4, engine_options={"static_prefill": True})
+    assert _complete(static) == _complete(plain)
+    assert static.scheduler.engine.stats.static_prefill_runs >= len(BODIES)
+    assert plain.scheduler.engine.stats.static_prefill_runs == 0
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "hi"]])
+def test_the_static_prefill_flag_parses_on_off_and_unset(command):
+    from dsv41.cli import build_parser
+
+    parse = lambda *flags: build_parser().parse_args([*command, "--preset", "tiny", *flags]).static_prefill  # noqa: E731
+    assert parse() is None and parse("--static-prefill") is True and parse("--no-static-prefill") is False

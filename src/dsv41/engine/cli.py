@@ -54,6 +54,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     p.add_argument("--exact-prefill", action="store_true", help="run every layer over every prompt token")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument("--static-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="run whole prefill chunks and the decoder replay from static steps at power-of-two shapes, "
+                        "replayed from CUDA graphs (docs/engine.md; default: on with CUDA graphs)")
     p.add_argument("--idle-prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens per chunk in a step without decoding streams (default on CUDA: "
                         "max(--prefill-chunk, 16384); 0: off; docs/engine.md)")
@@ -221,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
     params.stop_token_ids = [tok.eos_id] + ([tok.end_turn_id] if getattr(args, "chat", False) else [])
     speculative = build_speculative(args, model, 1)  # one request: one row to profile and draft for
     options = dict(max_batch=1, **speculative) if speculative else {}
-    engine = Engine(model, prefill_chunk=args.prefill_chunk, idle_prefill_chunk=args.idle_prefill_chunk, **options)
+    engine = Engine(model, prefill_chunk=args.prefill_chunk, idle_prefill_chunk=args.idle_prefill_chunk,
+                    static_prefill=args.static_prefill, **options)
     try:
         req = engine.add_request(prompt, params, exact_prefill=args.exact_prefill, images=images or None)
     except ValueError as e:  # images that do not fit the prompt

@@ -42,7 +42,7 @@ from torch import Tensor
 from dsv41.engine.block_manager import PAGE_ROWS, BlockManager, to_device
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.graphs import DecodeGraphs, batch_buckets, bucket
-from dsv41.engine.prefill import PrefillJob, encode_prompt_images
+from dsv41.engine.prefill import PrefillJob, encode_prompt_images, encoder_only_supported
 from dsv41.engine.prefix import PrefixCache, image_namespace
 from dsv41.engine.runner import Capture, DecodeIO, Runner
 from dsv41.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
@@ -58,6 +58,7 @@ from dsv41.engine.speculative import (
     profile_step_time,
     verify,
 )
+from dsv41.engine.static_prefill import StaticPrefill
 from dsv41.model.mhc import hc_pre
 from dsv41.model.transformer import Transformer
 
@@ -108,6 +109,7 @@ class EngineStats:
     prefill_tokens: int = 0
     prefill_layer_passes: int = 0  # Σ over pieces of the layers each ran
     prefill_forwards: int = 0  # host-driven prefill forwards (a batched group of pieces is one)
+    static_prefill_runs: int = 0  # prefill runs (whole chunks, decoder replays) from static steps (`static_prefill`)
     preemptions: int = 0
     failures: int = 0
     overlapped_steps: int = 0  # decode steps launched before the previous one's tokens were read (overlap)
@@ -161,7 +163,7 @@ class Engine:
                  max_tokens: int | None = None, cuda_graphs: bool | None = None, graph_min_entries: int = 1024,
                  page_rows: int = PAGE_ROWS, drafter: Drafter | None = None, step_time: StepTimeCurve | None = None,
                  speculate: str = "auto", batch_prefill: bool = True, overlap: bool | None = None,
-                 idle_prefill_chunk: int | None = None):
+                 idle_prefill_chunk: int | None = None, static_prefill: bool | None = None):
         """max_seq_len bounds one sequence (default: the config's); max_tokens sizes the global-KV
         pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
         max_seq_len); token_budget = tokens per step (default prefill_chunk + max_batch); prefill_layers =
@@ -180,7 +182,11 @@ class Engine:
         launches the next one before it reads its own tokens (`_overlapped_step`; default: on CUDA devices, where
         the host's bookkeeping then runs beside the device — 0.34× → 0.50× the graphed dense peer at 64 × 4K on the
         H200; with a drafter — opt-in, overlap=True — the plain steps its cost model chooses overlap, verification
-        steps never)."""
+        steps never). static_prefill: a prefill run of a plain prompt that goes through all its layers in one
+        piece (every run of an idle step, and beside decoding streams when prefill_layers is None) runs from
+        static steps over power-of-two shapes (`engine/static_prefill.py`), replayed from CUDA graphs when
+        cuda_graphs is on — default: on with CUDA graphs (a lone 32K prompt's first token 73 → 40 ms on the H100),
+        off elsewhere."""
         if speculate not in ("auto", "always"):
             raise ValueError(f"speculate must be 'auto' or 'always', got {speculate!r}")
         self.model = model.eval()
@@ -216,10 +222,10 @@ class Engine:
         self.io = DecodeIO(c, self.pools, max_batch, capture_layers=wanted,
                            capture_at=getattr(drafter, "features_at", "output"), feature_ring=self.feature_ring)
         self.graphs = DecodeGraphs(self.runner, self.io, min_entries=graph_min_entries) if use_graphs else None
-        if use_graphs:  # capturable MoE dispatch: every expert on every token, when experts are few
+        if use_graphs:  # decode-sized forwards: every expert on every token when experts are few (fewer kernels)
             for moe in model.moe_layers():
                 if moe.n_routed <= 4 * moe.topk:
-                    moe.moe_impl = "dense"
+                    moe.dense_tokens = max(moe.dense_tokens, max_batch * (drafter.k + 1 if drafter else 1))
         _keep_fp32_weights_in_fp32(model)
         # before the start-up profile below: its static steps are timed by phase too
         self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
@@ -250,6 +256,13 @@ class Engine:
             idle_prefill_chunk = max(prefill_chunk, IDLE_PREFILL_CHUNK) if self.device.type == "cuda" else 0
         if idle_prefill_chunk < 0:
             raise ValueError(f"idle_prefill_chunk must be >= 0 (0: off), got {idle_prefill_chunk}")
+        if static_prefill is None:
+            static_prefill = use_graphs and encoder_only_supported(self.runner)
+        self.static = None  # StaticPrefill: the whole prefill runs of plain prompts (`PrefillJob(static=)`)
+        if static_prefill:
+            top = max(prefill_chunk, idle_prefill_chunk)
+            self.static = StaticPrefill(self.runner, self.pools, chunk=top, graphs=use_graphs,
+                                        min_entries=graph_min_entries)
         self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch,
                                    decode_tokens=decode_tokens, prefill_layers=prefill_layers,
                                    batch_pieces=batch_prefill, idle_chunk=idle_prefill_chunk or None)
@@ -605,6 +618,8 @@ class Engine:
     def _run_group(self, seqs: list[Sequence], piece, outputs: list[StepOutput]) -> None:
         """One prefill piece of every sequence in `seqs` (one key) as one forward."""
         t0 = time.perf_counter()
+        jobs = [seq.job for seq in seqs]
+        static_runs = sum(job.static_runs for job in jobs)
         try:
             if len(seqs) == 1:
                 results = [seqs[0].job.step(piece.tokens, piece.layers)]
@@ -614,6 +629,7 @@ class Engine:
             log.exception("prefill of request(s) %s failed", [seq.id for seq in seqs])
             outputs.extend(self._fail(seq, f"prefill failed: {err}") for seq in seqs)
             return
+        self.stats.static_prefill_runs += sum(job.static_runs for job in jobs) - static_runs
         self.stats.prefill_forwards += 1
         ms = (time.perf_counter() - t0) * 1e3 / len(seqs)
         finished, rows = [], []
@@ -676,12 +692,12 @@ class Engine:
         resume = self.prefix_cache.resume(cache, seq.prompt, namespace=seq.namespace) if use_cache else None
         if resume is None:
             seq.job = PrefillJob(self.runner, cache, seq.prompt, chunk=self.prefill_chunk, exact=seq.exact_prefill,
-                                 images=seq.images)
+                                 images=seq.images, static=self.static)
         else:
             seq.cached_tokens, seq.replayed_tokens = resume.cached_tokens, resume.encoder_replay
             seq.job = PrefillJob(self.runner, cache, seq.prompt[resume.cached_tokens:], chunk=self.prefill_chunk,
                                  encoder_replay=resume.encoder_replay, decoder_windows_valid=resume.exact,
-                                 images=seq.images)
+                                 images=seq.images, static=self.static)
 
     def preempt(self, seq: Sequence) -> None:
         self._catch_up([seq])  # the feature ring is per slot: the drafter takes what it holds before the slot goes

@@ -85,28 +85,43 @@ class DecodeGraphs:
         real, real_keep = io.device.clone(), io.keep_device.clone()
         io.device.copy_(io.pad_device)  # every row a dummy: warm-up writes touch no sequence
         io.keep_device.fill_(io.T)
-        if n_max is None:
-            graph = capture_graph(lambda: self.runner.restore(io, Bb), self.pool)
-        else:
-            graph = capture_graph(lambda: self.runner.decode(io, Bb, n_max), self.pool)
-        io.device.copy_(real)
-        io.keep_device.copy_(real_keep)
+        try:  # the real inputs back whatever happens (a failed capture: the caller runs them eagerly)
+            if n_max is None:
+                graph = capture_graph(lambda: self.runner.restore(io, Bb), self.pool)
+            else:
+                graph = capture_graph(lambda: self.runner.decode(io, Bb, n_max), self.pool)
+        finally:
+            io.device.copy_(real)
+            io.keep_device.copy_(real_keep)
         self.captures += 1
         return graph
 
 
-def capture_graph(step: Callable[[], object], pool) -> torch.cuda.CUDAGraph:
+def capture_graph(step: Callable[[], object], pool, retries: int = 1) -> torch.cuda.CUDAGraph:
     """`step` captured into a CUDA graph in `pool`: two warm-up runs on a side stream first (kernels
     compiled and loaded, lazy set-up done outside the capture), then the capture, thread-local (the
     prefix cache's writer thread may copy rows to the host meanwhile). The caller makes the warm-up
-    runs harmless (padding inputs)."""
+    runs harmless (padding inputs). A capture that fails is tried again `retries` times after the caching
+    allocator has released its free blocks: an allocation that the allocator can only serve by freeing cached
+    memory synchronizes, which a capture refuses (seen once on the H100, 2026-12-06: the first capture at
+    64 × 128K, after the synthetic fill of 8.4M tokens, failed with "operation not permitted when stream is
+    capturing"; the next engine's capture of the same shape succeeded)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             step()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        step()
-    return graph
+    for attempt in range(retries + 1):
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                step()
+            return graph
+        except RuntimeError:
+            if attempt == retries:
+                raise
+            del graph
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    raise AssertionError("unreachable")

@@ -149,12 +149,18 @@ class PrefillJob:
 
     capture_layers: block ids whose hidden states a speculative drafter wants (`engine/speculative.py`);
     after the final piece `features` holds, per layer, the mean over streams at the prompt's last m
-    positions (m, dim), m ≤ n_win — the decoder runs over the last n_win tokens only."""
+    positions (m, dim), m ≤ n_win — the decoder runs over the last n_win tokens only.
+
+    static: a `StaticPrefill` (the engine's, on its pools) that runs every *whole* run of a plain prompt — an
+    encoder or exact chunk, or the decoder replay, through all its layers in one piece — from static steps
+    (CUDA graphs on CUDA) instead of the host-driven forward; the same function (tests/engine/test_static_prefill.py).
+    Runs cut between layers (a layer budget), batched pieces, images, encoder replay, captured features and
+    continued decoder windows stay on the host path."""
 
     def __init__(self, runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,
                  exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False,
                  images: PromptImages | None = None, capture_layers: tuple[int, ...] = (),
-                 capture_at: str = "output"):
+                 capture_at: str = "output", static=None):
         if not tokens:
             raise ValueError("prefill needs at least one token")
         if chunk < 1:
@@ -179,6 +185,8 @@ class PrefillJob:
         self.tail_pre: Tensor | None = None
         self.capture_layers, self.capture_at = tuple(capture_layers), capture_at
         self.features: dict[int, Tensor] = {}  # layer → (m, dim), the last positions run
+        self.static = static  # StaticPrefill | None
+        self.static_runs = 0  # runs it made
         if encoder_replay:
             seq.clear_windows(range(c.n_layers))
 
@@ -266,6 +274,8 @@ class PrefillJob:
         if self.done:
             raise RuntimeError("PrefillJob.step: the prefill has finished")
         run = self.run
+        if run is None and self._static_run_fits(layers):
+            return self._static_step(n)
         if run is None:
             run = self.run = self._start(n)
         elif n is not None and n != run.hi - run.lo:
@@ -296,6 +306,42 @@ class PrefillJob:
             return None
         self.run = None
         return self._finish(run)
+
+    def _static_run_fits(self, layers: int | None) -> bool:
+        """The next run goes to `static`: it runs whole (`layers` covers it) and is of a kind `StaticPrefill` runs —
+        a text prompt, no encoder replay, no captured features, a decoder replay that starts its windows afresh."""
+        if self.static is None or self.images is not None or self.replay_start is not None or self.capture_layers:
+            return False
+        c = self.runner.config
+        if self.decoder_pending:
+            lo = self.n_total - self._n_replay()
+            n_layers = c.n_layers - c.encoder_layers
+            if self.continue_windows and lo == self.start0:
+                return False
+        else:
+            n_layers = len(self.layers)
+        return layers is None or layers >= n_layers
+
+    def _static_step(self, n: int | None) -> Tensor | None:
+        """The next run, whole, through `static`; as `step` (the run's logits after the last, None before)."""
+        self.static_runs += 1
+        if self.decoder_pending:
+            T = self._n_replay()
+            logits = self.static.replay(self.seq, T, self.tail_h[:, -T:], self.tail_pre[:, -T:])
+            self.done = True
+            self.tail_h = self.tail_pre = None
+            return logits
+        lo = self.cursor
+        hi = min(lo + (n or min(self.n_total - lo, self.chunk)), self.n_total)
+        h, pre = self.static.encode(self.seq, self.tokens[lo - self.start0:hi - self.start0], exact=self.exact)
+        self.cursor = hi
+        if self.exact:
+            if hi < self.n_total:
+                return None
+            self.done = True
+            return self.runner.logits(h, pre)[0]
+        self._keep_tail(h, pre)
+        return None
 
     @property
     def batchable(self) -> bool:
@@ -460,11 +506,11 @@ def _carry_row(carry: Carry, b: int) -> Carry:
 
 def prefill(runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,
             exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False,
-            images: PromptImages | None = None) -> Tensor:
+            images: PromptImages | None = None, static=None) -> Tensor:
     """Process `tokens` (appended after what seq already holds); return the last position's
     logits (vocab,) fp32. See `PrefillJob`."""
     job = PrefillJob(runner, seq, tokens, chunk=chunk, exact=exact, encoder_replay=encoder_replay,
-                     decoder_windows_valid=decoder_windows_valid, images=images)
+                     decoder_windows_valid=decoder_windows_valid, images=images, static=static)
     while True:
         logits = job.step()
         if logits is not None:

@@ -95,6 +95,8 @@ class StepRecord:
     rotations: dict[bool, tuple[Tensor, Tensor]] = field(default_factory=dict)
     image_mask: Tensor | None = None  # (B, T) image positions of a prefill piece (bias_vl routing, dead for Engram)
     capture: Capture | None = None  # hidden states / projections to hand back (host-driven only)
+    valid: Tensor | None = None  # (B,) ragged static rows (`DecodeIO(ragged=True)`): block positions [0, valid) are
+    # real, the rest padding whose per-slot state (window ring, partial group, entries) is never written
 
     def angles(self, attn) -> tuple[Tensor, Tensor]:
         """cos, sin of the tokens' positions for a layer, computed once per forward for each of the two
@@ -312,11 +314,26 @@ class Runner:
                                  ring_pos=ring_pos, ring_ids=record.slots, chunk_kv=chunk,
                                  window_start=record.replay_start, **entry_args)
         if chunk is not None:  # now the chunk's last W keys replace the oldest ring slots
-            last_w = slice(max(0, T - W), T)
-            keep = record.ring_row[:, last_w].reshape(-1)
-            ring_rows[keep] = chunk[:, last_w].reshape(-1, pools.ring_bytes)
-            ring_pos.view(-1)[keep] = record.positions[:, last_w].reshape(-1)
+            if record.valid is None:
+                last_w = slice(max(0, T - W), T)
+                keep = record.ring_row[:, last_w].reshape(-1)
+                ring_rows[keep] = chunk[:, last_w].reshape(-1, pools.ring_bytes)
+                ring_pos.view(-1)[keep] = record.positions[:, last_w].reshape(-1)
+            else:
+                self._ring_write_ragged(record, chunk, ring_rows, ring_pos, W)
         return attn.output(o, cos, sin)
+
+    @staticmethod
+    def _ring_write_ragged(record: StepRecord, chunk: Tensor, ring_rows: Tensor, ring_pos: Tensor, W: int) -> None:
+        """The last min(W, T) *real* keys of each ragged row (block positions [valid − w, valid)) replace the oldest
+        ring slots. A row with fewer real keys writes its first key again in the places before it (the same bytes
+        to the same row). Fixed shapes, device indices only (capturable)."""
+        B, T = record.positions.shape
+        w = min(W, T)
+        t = (record.valid.view(B, 1) - w + torch.arange(w, device=chunk.device)).clamp(min=0)  # (B, w)
+        keep = record.ring_row.gather(1, t).view(-1)  # (B·w,)
+        ring_rows[keep] = chunk.gather(1, t.unsqueeze(-1).expand(-1, -1, chunk.size(-1))).view(-1, chunk.size(-1))
+        ring_pos.view(-1)[keep] = record.positions.gather(1, t).view(-1)
 
     def _source(self, source: int, record: StepRecord) -> tuple[Tensor, Tensor, int]:
         """(page table (B, width) int32, entry counts (B,), entry bound) of a kv source, built once
@@ -417,7 +434,7 @@ class Runner:
                 gk, gs = gather(members.view(B, T * m))
                 pooled = comp.pool(gk.view(B, T, m, -1), gs.view(B, T, m, -1))  # (B, T, D)
                 latent = comp.norm(pooled.to(x.dtype))
-                end = s0 + T
+                end = s0 + (T if record.valid is None else record.valid.view(B, 1))  # (B, 1) tokens after the step
                 open_members = end - end % m + torch.arange(m - 1, device=x.device)  # (B, m − 1)
                 pk, ps = gather(open_members)
                 pool.pending_kv[slots] = pk  # padding rows all write the dummy slot
@@ -478,13 +495,24 @@ class DecodeIO:
     (max_batch, T, vocab) else. With `capture_layers`, the step also hands back those layers' features (the mean over
     streams, `Capture`) in `features` (n, max_batch, T, dim), and — when `feature_ring` is given, a
     (slots + 1, W, n, dim) tensor — stores them per slot and position % W; with `projections`, the
-    ratio-m compressors' projections of every position (a rollback rebuilds partial groups from them)."""
+    ratio-m compressors' projections of every position (a rollback rebuilds partial groups from them).
+
+    `ragged` (T > 1, no rollback or feature ring): row b may run fewer tokens than T — `fill_batch` pads its block
+    after them and records its count in a `VALID` field; the step computes the padded positions too (they come
+    after every real one, so no real position sees them) but writes nothing of theirs into the sequence's state:
+    no entry row is reserved for a group they complete, the window ring takes the row's last real keys, and the
+    partial group is the one open after its last real token. So a prefill piece of any length n ≤ T runs at
+    the shape T (`engine/static_prefill.py`: a few power-of-two shapes, one CUDA graph each)."""
 
     def __init__(self, config, pools: BlockManager, max_batch: int, T: int = 1, *,
                  capture_layers: tuple[int, ...] = (), capture_at: str = "output", projections: bool = False,
-                 feature_ring: Tensor | None = None, rollback: bool = False, last_only: bool = False):
+                 feature_ring: Tensor | None = None, rollback: bool = False, last_only: bool = False,
+                 ragged: bool = False):
         if T < 1:
             raise ValueError(f"a static step of {T} positions per row; T >= 1")
+        if ragged and (T == 1 or rollback or feature_ring is not None):
+            raise ValueError("ragged rows need T > 1 and no rollback or feature ring")
+        self.ragged = ragged
         if T > config.window_size and (rollback or feature_ring is not None):
             # the rollback snapshots and the feature ring hold one window of positions per slot
             raise ValueError(f"a static step of {T} positions per row with rollback or a feature ring; "
@@ -494,7 +522,8 @@ class DecodeIO:
         self.k = config.engram_max_ngram_size - 1 if config.engram_layer_ids else 0
         self.sources = list(pools.sources)
         self.TOK, self.POS, self.SLOT, self.HIST = 0, T, T + 1, T + 2
-        base = T + 2 + self.k
+        self.VALID = T + 2 + self.k  # each row's real tokens (T unless ragged)
+        base = T + 3 + self.k
         self.CNT = {s: base + (T + 1) * i for i, s in enumerate(self.sources)}
         self.ROW = {s: base + (T + 1) * i + 1 for i, s in enumerate(self.sources)}  # T fields from here
         n_fields = base + (T + 1) * len(self.sources)
@@ -542,6 +571,7 @@ class DecodeIO:
         v[:, first:last] = 0
         v[self.SLOT, first:last] = self.pools.dummy_slot
         v[self.HIST:self.HIST + self.k, first:last] = -1
+        v[self.VALID, first:last] = self.T
         for s in self.sources:
             v[self.ROW[s]:self.ROW[s] + self.T, first:last] = -1
 
@@ -550,14 +580,25 @@ class DecodeIO:
         """Row b runs tokens[b] (one token, or a block of T) at the end of caches[b], for b < B, reserving
         the entry rows the step completes. One host write per field for the whole batch (per-row writes
         cost ~20 µs a row). `positions`: the rows' first positions instead of their ends (tokens already in
-        the cache run again — the decoder's bounded replay — with reserve=False: no entry is written)."""
+        the cache run again — the decoder's bounded replay — with reserve=False: no entry is written).
+        A ragged io takes 1 to T tokens per row (its block is padded after them)."""
         v, B, T = self.view, len(caches), self.T
         if positions is None:
             positions = [c.n_tokens for c in caches]
+        lengths = [T] * B
         if T == 1:
             v[self.TOK, :B] = tokens
+        elif self.ragged:
+            lengths = [len(t) for t in tokens]
+            if not all(1 <= n <= T for n in lengths):
+                raise ValueError(f"a ragged static step of {T} positions per row got rows of {lengths} tokens")
+            block = np.zeros((T, B), dtype=np.int64)  # padding: token 0
+            for b, row in enumerate(tokens):
+                block[:len(row), b] = row
+            v[self.TOK:self.TOK + T, :B] = block
         else:
             v[self.TOK:self.TOK + T, :B] = np.asarray(tokens, dtype=np.int64).reshape(B, T).T
+        v[self.VALID, :B] = lengths
         v[self.POS, :B] = positions
         v[self.SLOT, :B] = [c.slot for c in caches]
         k = self.k
@@ -572,11 +613,11 @@ class DecodeIO:
             m = stores[0].ratio if stores else 1
             rows = v[self.ROW[s]:self.ROW[s] + T]  # (T, max_batch)
             rows[:, :B] = -1
-            for b, (pos, store) in enumerate(zip(positions, stores)):
-                # the positions whose token completes a compressed entry: their rows are reserved now
-                ends = range((m - 1 - pos) % m, T, m) if reserve else range(0)  # (pos + t + 1) % m == 0
+            for b, (pos, store, n) in enumerate(zip(positions, stores, lengths)):
+                # the real positions whose token completes a compressed entry: their rows are reserved now
+                ends = range((m - 1 - pos) % m, n, m) if reserve else range(0)  # (pos + t + 1) % m == 0
                 if len(ends):
-                    rows[ends.start:T:m, b] = store.reserve(len(ends))
+                    rows[ends.start:n:m, b] = store.reserve(len(ends))
             v[self.CNT[s], :B] = [store.n_entries for store in stores]
 
     def send(self) -> None:
@@ -614,7 +655,8 @@ class DecodeIO:
         slots = d[self.SLOT, :B]
         history = d[self.HIST:self.HIST + self.k, :B].t() if self.k else None  # (B, k)
         W = self.config.window_size
-        rec = StepRecord(pools, positions, slots, slots.view(B, 1) * W + positions % W, history, seqs=None)
+        rec = StepRecord(pools, positions, slots, slots.view(B, 1) * W + positions % W, history, seqs=None,
+                         valid=d[self.VALID, :B] if self.ragged else None)
         for s in self.sources:
             table = pools.sources[s].table.index_select(0, slots)  # (B, width) int32
             rec.sources[s] = (table, d[self.CNT[s], :B], max(1, int(n_max[s])))

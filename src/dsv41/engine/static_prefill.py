@@ -1,18 +1,29 @@
-"""Encoder-only prefill of one prompt from static steps, replayed from CUDA graphs on CUDA (a first cut).
+"""Prefill of plain prompts from static steps, replayed from CUDA graphs on CUDA.
 
-The host-driven prefill (`prefill.PrefillJob`) launches ~820 kernels per prompt whatever its length; on the
-H200 that host work is most of its wall time (2026-12-04: 68.7 ms for 8.6 ms of kernels at 8K,
-docs/benchmarks.md). Here the same function is computed from the static step (`Runner.static_layers`,
-`Runner.static_produce`, `DecodeIO`): the prompt is cut into chunks of `chunk` tokens, each through the
-encoder layers and the decoder's kv-source compression, then the decoder's bounded replay of the last window
-from the encoder's tail, then the head. Every chunk of the full size and the replay of a full window run from
-a CUDA graph keyed by their entry bounds (powers of two, as the decode graphs); a shorter last chunk or window
-runs eagerly. Plain text prompts only: no images, no encoder replay of cached tokens, no decoder windows kept
-from an earlier turn (`PrefillJob` handles those). Not yet used by the engine: `benchmarks/peer_decode.py
---static-prefill` times it beside the host-driven prefill.
+The host-driven prefill (`prefill.PrefillJob` over `Runner.forward`) launches ~820 kernels per chunk whatever its
+length; on the H100/H200 that host work is most of its wall time (2026-12-06, H100: 51 ms for 9 ms of kernels at
+8K tokens, docs/benchmarks.md). Here the same function is computed from the static step (`Runner.static_layers`,
+`Runner.static_produce`, `DecodeIO`), whose inputs all sit in persistent device buffers, so that each piece is
+one graph replay:
+
+  * `encode(seq, tokens)`: the tokens through the encoder layers (with the decoder's kv-source compression), or
+    with `exact=True` through every layer, in pieces of at most `chunk` tokens;
+  * `replay(seq, n, h, pre)`: the decoder's bounded replay of the last n tokens from their encoder streams;
+  * `__call__(seq, tokens)`: both, the last position's logits (what `prefill()` returns).
+
+Every piece runs at a **bucket** shape — the next power of two ≥ its tokens, from `min_tokens` up to `chunk` —
+over a ragged `DecodeIO` (`runner.DecodeIO(ragged=True)`: the padded positions after the real ones are computed
+but write nothing of theirs into the sequence's state). With graphs on, each (kind, bucket, entry bounds) is
+captured the first time it is needed and replayed after, so the graphs are bounded (log2(chunk / min_tokens) + 1
+shapes per kind and entry bound) and a prompt of any length replays graphs only. Text prompts only: no images,
+no encoder replay of cached tokens, no decoder windows continued from an earlier exact turn (`PrefillJob` runs
+those on the host path and hands the rest here: `PrefillJob(static=...)`, `Engine(static_prefill=...)`).
 """
 
 from __future__ import annotations
+
+import logging
+from collections import Counter
 
 import torch
 from torch import Tensor
@@ -24,86 +35,147 @@ from dsv41.engine.prefill import encoder_only_supported
 from dsv41.engine.runner import DecodeIO, Runner
 from dsv41.plan import FULL
 
+log = logging.getLogger(__name__)
+
+
+def token_buckets(min_tokens: int, chunk: int) -> list[int]:
+    """The piece shapes: powers of two from min_tokens up to the first ≥ chunk."""
+    out, b = [], 1 << (max(1, min_tokens) - 1).bit_length()
+    while b < chunk:
+        out.append(b)
+        b *= 2
+    return out + [b]
+
 
 class StaticPrefill:
-    """prefill(runner, seq, tokens) for plain prompts, from static steps (see the module docstring).
-    graphs: replay full chunks and full windows from CUDA graphs (default: on CUDA pools)."""
+    """Prefill pieces of plain prompts from static steps over ragged power-of-two shapes (module docstring).
 
-    def __init__(self, runner: Runner, pools: BlockManager, *, chunk: int = 8192, graphs: bool | None = None,
-                 min_entries: int = 1024):
+    chunk: the longest piece (longer inputs are cut); min_tokens: the smallest shape; graphs: replay each shape
+    from a CUDA graph (default: on CUDA pools); min_entries: the smallest entry bound of a graph (as the decode
+    graphs: bounds are powers of two)."""
+
+    def __init__(self, runner: Runner, pools: BlockManager, *, chunk: int = 16384, min_tokens: int = 64,
+                 graphs: bool | None = None, min_entries: int = 1024):
         if not encoder_only_supported(runner):
             raise ValueError("StaticPrefill runs encoder-only prefill; this model has no encoder / decoder split")
-        if chunk < 1:
-            raise ValueError(f"StaticPrefill: chunk must be >= 1, got {chunk}")
+        if chunk < 1 or min_tokens < 1:
+            raise ValueError(f"StaticPrefill: chunk and min_tokens must be >= 1, got {chunk}, {min_tokens}")
         c = runner.config
-        self.runner, self.pools, self.chunk, self.config = runner, pools, chunk, c
+        self.runner, self.pools, self.config = runner, pools, c
+        self.buckets = token_buckets(min(min_tokens, chunk), chunk)
+        self.chunk = chunk
         self.graphs = pools.device.type == "cuda" if graphs is None else graphs
         if self.graphs and pools.device.type != "cuda":
             raise ValueError("StaticPrefill: CUDA graphs need CUDA pools")
         self.min_entries = min_entries
-        self._ios: dict[int, DecodeIO] = {}
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[Tensor, ...]]] = {}
+        self._ios: dict[int, DecodeIO] = {}  # bucket → its ragged io (one row)
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self._replay_in: tuple[Tensor, Tensor] | None = None  # the window's streams, where its graph reads them
+        self._replay_in: dict[int, tuple[Tensor, Tensor]] = {}  # bucket → the replay's input streams (graph reads)
         self.captures = 0
+        self.pieces = 0  # static pieces run (replays or eager), for tests and benchmarks
+        self.replays: Counter[tuple] = Counter()  # graph key → replays (benchmarks/peer_decode.py: GPU time)
 
-    def _io(self, T: int) -> DecodeIO:
+    def bucket(self, n: int) -> int:
+        """The shape a piece of n ≤ chunk tokens runs at."""
+        for b in self.buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"a static prefill piece of {n} tokens is longer than the largest shape {self.buckets[-1]}")
+
+    def _io(self, n: int) -> DecodeIO:
+        T = self.bucket(n)
         if T not in self._ios:
-            self._ios[T] = DecodeIO(self.config, self.pools, 1, T, last_only=True)
+            self._ios[T] = DecodeIO(self.config, self.pools, 1, T, ragged=True)
         return self._ios[T]
 
+    # ------------------------------------------------------------------ entry points
     @torch.no_grad()
-    def __call__(self, seq: SequenceCache, tokens: list[int]) -> Tensor:
-        """Process `tokens` after what seq holds; the last position's logits (vocab,) fp32."""
+    def __call__(self, seq: SequenceCache, tokens: list[int], *, exact: bool = False) -> Tensor:
+        """Prefill `tokens` after what seq holds: encoder-only with the decoder's bounded replay, or every layer
+        (`exact`); the last position's logits (vocab,) fp32."""
         if not tokens:
             raise ValueError("prefill needs at least one token")
-        runner, W = self.runner, self.config.window_size
-        n_win = min(W, len(tokens))
+        h, pre = self.encode(seq, tokens, exact=exact)
+        if exact:
+            return self.runner.logits(h, pre)[0]
+        n = min(self.config.window_size, len(tokens))
+        return self.replay(seq, n, h[:, -n:], pre[:, -n:])
+
+    @torch.no_grad()
+    def encode(self, seq: SequenceCache, tokens: list[int], *, exact: bool = False) -> tuple[Tensor, Tensor]:
+        """`tokens` after what seq holds through the encoder layers (the decoder's kv source compressed from their
+        output) or, `exact`, through every layer; appends them to seq.tokens. Returns the streams (h, pre_mix) of
+        the last min(window, len(tokens)) positions (fresh tensors: the decoder replay's input)."""
+        W = self.config.window_size
         tail: list[tuple[Tensor, Tensor]] = []
         for lo in range(0, len(tokens), self.chunk):
             piece = tokens[lo:lo + self.chunk]
-            io = self._io(len(piece))
+            n = len(piece)
+            io = self._io(n)
             io.wait_sent()  # the last copy out of its pinned host buffer is done before it is written again
             io.fill_batch([seq], [piece])
             io.send()
-            h, pre = self._run(io, "encoder", len(piece) == self.chunk)
+            h, pre = self._run(io, "exact" if exact else "encoder", n)
             seq.tokens.extend(piece)
-            tail.append((h[:, -n_win:].clone(), pre[:, -n_win:].clone()))  # a graph's outputs: its next replay
-        h = torch.cat([t[0] for t in tail], dim=1)[:, -n_win:]
-        pre = torch.cat([t[1] for t in tail], dim=1)[:, -n_win:]
-        rio = self._io(n_win)
-        rio.wait_sent()
-        rio.fill_batch([seq], [seq.tokens[-n_win:]], positions=[seq.n_tokens - n_win], reserve=False)
-        rio.send()
-        full = n_win == W and self.graphs
-        if full:
-            if self._replay_in is None:
-                self._replay_in = (torch.empty_like(h), torch.empty_like(pre))
-            self._replay_in[0].copy_(h)
-            self._replay_in[1].copy_(pre)
-            h, pre = self._replay_in
-        h, pre = self._run(rio, "replay", full, h, pre)
-        return runner.logits(h, pre)[0]
+            keep = min(W, n)
+            tail.append((h[:, n - keep:n].clone(), pre[:, n - keep:n].clone()))  # a graph's outputs: its next replay
+            while sum(t[0].size(1) for t in tail[1:]) >= W:  # the pieces that hold the last W positions
+                tail.pop(0)
+        h = torch.cat([t[0] for t in tail], dim=1)[:, -W:]
+        pre = torch.cat([t[1] for t in tail], dim=1)[:, -W:]
+        return h, pre
 
-    def _run(self, io: DecodeIO, kind: str, full: bool, h: Tensor | None = None, pre: Tensor | None = None
+    @torch.no_grad()
+    def replay(self, seq: SequenceCache, n: int, h: Tensor, pre: Tensor) -> Tensor:
+        """The decoder's bounded replay of seq's last n (≤ window) tokens from their encoder streams h (1, n, hc,
+        dim), pre (1, n, hc): the window starts at their first position, their entries are cached already. The
+        last position's logits (vocab,) fp32."""
+        if not 1 <= n <= self.config.window_size or h.size(1) != n:
+            raise ValueError(f"a decoder replay of {n} tokens (streams of {h.size(1)}); 1 <= n <= window size")
+        io = self._io(n)
+        io.wait_sent()
+        io.fill_batch([seq], [seq.tokens[-n:]], positions=[seq.n_tokens - n], reserve=False)
+        io.send()
+        T = io.T
+        if T not in self._replay_in:  # persistent inputs (a graph reads them where it was captured)
+            self._replay_in[T] = (h.new_zeros(1, T, *h.shape[2:]), pre.new_zeros(1, T, *pre.shape[2:]))
+        h_in, pre_in = self._replay_in[T]
+        h_in[:, :n].copy_(h)
+        pre_in[:, :n].copy_(pre)
+        h, pre = self._run(io, "replay", n, h_in, pre_in)
+        return self.runner.logits(h[:, :n], pre[:, :n])[0]
+
+    # ------------------------------------------------------------------ one piece
+    def _run(self, io: DecodeIO, kind: str, n: int, h: Tensor | None = None, pre: Tensor | None = None
              ) -> tuple[Tensor, Tensor]:
-        """The encoder pass of a chunk (with the decoder's kv source) or the decoder replay, from a graph when
-        `full` and graphs are on, else eagerly; the streams out."""
+        """One piece of `kind` ("encoder", "exact" or "replay") at io's shape, from its graph when graphs are on,
+        else eagerly; the streams out (1, T, ...), real at [0, n)."""
+        self.pieces += 1
         n_max = io.max_entries(1)
-        if full and self.graphs:
-            n_max = {s: entry_bound(n, self.min_entries) for s, n in n_max.items()}
-            key = (kind, io.T, tuple(sorted(n_max.items())))
-            if key not in self._graphs:
+        if not self.graphs:
+            return self._step(io, kind, n_max, h, pre)
+        n_max = {s: entry_bound(v, self.min_entries) for s, v in n_max.items()}
+        key = (kind, io.T, tuple(sorted(n_max.items())))
+        if key not in self._graphs:
+            try:
                 self._graphs[key] = self._capture(io, kind, n_max, h, pre)
-            graph, out = self._graphs[key]
-            graph.replay()
-            return out[0], out[1]
-        return self._step(io, kind, n_max, h, pre)
+            except RuntimeError as err:  # a step that cannot be captured: every piece eagerly from now on
+                log.warning("StaticPrefill: CUDA-graph capture failed (%s); running its pieces eagerly", err)
+                self.graphs = False
+                torch.cuda.synchronize()
+                return self._step(io, kind, io.max_entries(1), h, pre)
+        graph, out = self._graphs[key]
+        graph.replay()
+        self.replays[key] += 1
+        return out
 
     def _step(self, io: DecodeIO, kind: str, n_max: dict[int, int], h: Tensor | None, pre: Tensor | None
               ) -> tuple[Tensor, Tensor]:
         c, runner = self.config, self.runner
         enc = c.encoder_layers
+        if kind == "exact":
+            return runner.static_layers(io, 1, n_max, range(c.n_layers))
         if kind == "encoder":
             h, pre = runner.static_layers(io, 1, n_max, range(enc))
             if c.compress_ratios[enc] and runner.plans[enc].mode == FULL:  # `PrefillJob._finish`'s rule
@@ -117,7 +189,9 @@ class StaticPrefill:
         real = io.device.clone()
         io.device.copy_(io.pad_device)
         out: dict[str, tuple[Tensor, Tensor]] = {}  # the captured run's streams (the warm-ups' are overwritten)
-        graph = capture_graph(lambda: out.update(streams=self._step(io, kind, n_max, h, pre)), self._pool)
-        io.device.copy_(real)
+        try:
+            graph = capture_graph(lambda: out.update(streams=self._step(io, kind, n_max, h, pre)), self._pool)
+        finally:
+            io.device.copy_(real)
         self.captures += 1
         return graph, out["streams"]

@@ -81,6 +81,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "finish_reason 'length' (default 600; 0 = none)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body limit → 413 (default 8 MiB)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument("--static-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="run whole prefill chunks and the decoder replay from static steps at power-of-two shapes, "
+                        "replayed from CUDA graphs (docs/engine.md; default: on with CUDA graphs)")
     p.add_argument("--idle-prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens per chunk in a step without decoding streams (default on CUDA: "
                         "max(--prefill-chunk, 16384); 0: off; docs/engine.md)")
@@ -218,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
     from dsv41.engine.cli import build_speculative
 
     speculative = build_speculative(args, model, args.max_batch)  # ConfigError (exit 2) without a drafter
-    chosen = {"overlap": args.overlap, "idle_prefill_chunk": args.idle_prefill_chunk}
+    chosen = {"overlap": args.overlap, "idle_prefill_chunk": args.idle_prefill_chunk,
+              "static_prefill": args.static_prefill}
     engine_options = {**(speculative or {}), **{k: v for k, v in chosen.items() if v is not None}}
 
     prefix_cache = None
