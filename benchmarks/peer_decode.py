@@ -213,26 +213,49 @@ def host_profile(prof, run, device: str, k: int = 20) -> dict:
 
 
 def dsv41_static_prefill(model, n: int, device: str, chunk: int) -> dict:
-    """Encoder-only prefill of one n-token prompt through `StaticPrefill` (chunks of `chunk` tokens and the window
-    from CUDA graphs on CUDA, captured by a first run of the same shapes), beside the host-driven one's numbers."""
+    """Encoder-only and exact prefill of one n-token prompt through `StaticPrefill` (the engine's path for whole
+    runs: pieces of up to `chunk` tokens at power-of-two shapes and the window, from CUDA graphs on CUDA, captured by
+    a first run of the same shapes); the fastest of 3 synced runs each, and their ratio."""
     from dsv41.engine.static_prefill import StaticPrefill
 
     c = model.config
     runner = Runner(model)
     pools = private_pools(c, device, max_tokens=n + 8)
-    static = StaticPrefill(runner, pools, chunk=min(chunk, n))
+    static = StaticPrefill(runner, pools, chunk=chunk)
     ids = torch.randint(3, c.vocab_size, (n,)).tolist()
+    out = {"tokens": n, "chunk": static.chunk}
+    for name, exact in (("static", False), ("static_exact", True)):
+        def run(exact: bool = exact) -> None:
+            seq = SequenceCache(c, pools=pools)
+            static(seq, ids, exact=exact)
+            seq.release()  # its slot and pages back for the next run
 
-    def run() -> None:
-        seq = SequenceCache(c, pools=pools)
-        static(seq, ids)
-        seq.release()  # its slot and pages back for the next run
+        run()  # captures
+        pieces, replays = static.pieces, dict(static.replays)
+        run()
+        out[f"{name}_pieces"] = static.pieces - pieces  # graph replays per prompt (with graphs)
+        used = {k: v - replays.get(k, 0) for k, v in static.replays.items() if v > replays.get(k, 0)}
+        best = min(timed(run, device, 1) for _ in range(3))
+        out[f"{name}_ms"], out[f"{name}_tok_s"] = best * 1e3, n / best
+        if static.graphs:  # the device time of one prompt: each graph it replays, replayed alone between events
+            out[f"{name}_gpu_ms"] = sum(m * graph_ms(static._graphs[k][0], device) for k, m in used.items())
+    out.update(encoder_over_exact=out["static_ms"] / out["static_exact_ms"], graphs=static.graphs,
+               captures=static.captures)
+    if static.graphs:
+        out["gpu_encoder_over_exact"] = out["static_gpu_ms"] / out["static_exact_gpu_ms"]
+    return out
 
-    run()  # captures
-    run()
-    best = min(timed(run, device, 1) for _ in range(3))
-    return {"tokens": n, "chunk": static.chunk, "static_ms": best * 1e3, "static_tok_s": n / best,
-            "graphs": static.graphs, "captures": static.captures}
+
+def graph_ms(graph, device: str, repeat: int = 5) -> float:
+    """Milliseconds of device time per replay of a captured graph (CUDA events around `repeat` replays)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        graph.replay()
+    end.record()
+    sync(device)
+    return start.elapsed_time(end) / repeat
 
 
 def dsv41_prefill(model, n: int, device: str, chunk: int) -> dict:
@@ -267,22 +290,26 @@ def dsv41_prefill(model, n: int, device: str, chunk: int) -> dict:
 
 def dsv41_ttft(model, n: int, device: str, idle_chunks: list[int]) -> dict:
     """Time to the first token of one n-token prompt through `Engine.step()` (scheduler, prefill pieces,
-    sampling): with each `idle_prefill_chunk` (0: the engine's prefill_chunk of 2048 throughout)."""
+    sampling): with each `idle_prefill_chunk` (0: the engine's prefill_chunk of 2048 throughout) on the host path
+    (`static_prefill=False`), then the engine's defaults (`static_ms`: whole runs from static steps)."""
     c = model.config
     ids = torch.randint(3, c.vocab_size, (n,)).tolist()
     out = {"tokens": n}
-    for idle in idle_chunks:
-        engine = Engine(model, max_batch=1, max_seq_len=n + 16, max_tokens=n + 16, idle_prefill_chunk=idle)
+    for idle in [*idle_chunks, None]:
+        static = idle is None
+        engine = Engine(model, max_batch=1, max_seq_len=n + 16, max_tokens=n + 16, idle_prefill_chunk=idle,
+                        static_prefill=static)
 
         def first_token() -> None:
             seq = engine.add_request(ids, SamplingParams(max_tokens=1))
             while not seq.finished:
                 engine.step()
 
-        first_token()  # warm-up: kernels compiled for these chunk shapes
+        first_token()  # warm-up: kernels compiled for these chunk shapes (and graphs captured)
         steps = engine.stats.steps
-        out[f"idle_{idle}_ms"] = timed(first_token, device, 2) * 1e3
-        out[f"idle_{idle}_steps"] = (engine.stats.steps - steps) / 2  # engine steps per prompt
+        name = "static" if static else f"idle_{idle}"
+        out[f"{name}_ms"] = timed(first_token, device, 2) * 1e3
+        out[f"{name}_steps"] = (engine.stats.steps - steps) / 2  # engine steps per prompt
     return out
 
 
@@ -525,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         best_chunk[n] = row["dsv41"]["chunk"] if row["dsv41"] else args.prefill_chunk[0]
         if args.static_prefill:
             row["dsv41_static"] = attempt(f"dsv41 static prefill {n}", lambda: dsv41_static_prefill(
-                model, n, device, max(args.prefill_chunk)))
+                model, n, device, max(2048, IDLE_PREFILL_CHUNK)))  # the engine's largest piece
         if hf is not None:
             row["peer"] = attempt(f"peer prefill {n}", lambda: peer_prefill(hf, n, device))
             if row["dsv41"] and row["peer"]:
