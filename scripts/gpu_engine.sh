@@ -40,9 +40,11 @@ echo "===== kernel gpu tests (exit $rc)" >>"$out/kernels.log"
 tail -8 "$out/kernels.log"
 fi
 if [[ $parts == *peer* ]]; then
-timeout 400 python3 benchmarks/peer_decode.py --batches 64 1 16 --contexts 4096 32768 131072 \
-    --overlap-cells 64x4096 1x4096 16x4096 64x32768 64x131072 --prefill 8192 32768 --prefill-chunk 8192 32768 \
-    --compile-cells 1x4096 --profile 64x4096 --out "$out" >"$out/peer.log" 2>&1
+# the grid with the peer's three paths, then prefill (host path in one chunk, StaticPrefill) and the TTFT, in one
+# run (results/peer_decode-2026-12-06-grid.json: ~4 minutes on the H100)
+timeout 450 python3 benchmarks/peer_decode.py --batches 64 1 16 --contexts 4096 32768 131072 \
+    --overlap-cells 64x4096 1x4096 16x4096 64x32768 64x131072 --prefill 8192 32768 --prefill-chunk 32768 \
+    --static-prefill --ttft 32768 --compile-cells 1x4096 --profile 64x4096 --out "$out" >"$out/peer.log" 2>&1
 tail -25 "$out/peer.log"
 fi
 if [[ $parts == *prefill* ]]; then
