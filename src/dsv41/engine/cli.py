@@ -29,6 +29,17 @@ from typing import Any
 from dsv41.config import ConfigError
 
 
+def add_prefill_options(p: argparse.ArgumentParser) -> None:
+    """The engine's prefill flags, shared by `generate` and `serve`."""
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument("--static-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="run whole prefill chunks and the decoder replay from static steps at power-of-two shapes, "
+                        "replayed from CUDA graphs (docs/engine.md; default: on with CUDA graphs)")
+    p.add_argument("--idle-prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens per chunk in a step without decoding streams (default on CUDA: "
+                        "max(--prefill-chunk, 16384); 0: off; docs/engine.md)")
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "generate", help="generate text from a prompt (encoder-only prefill, packed FP4/FP8 caches)",
@@ -53,13 +64,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
     p.add_argument("--exact-prefill", action="store_true", help="run every layer over every prompt token")
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
-    p.add_argument("--static-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="run whole prefill chunks and the decoder replay from static steps at power-of-two shapes, "
-                        "replayed from CUDA graphs (docs/engine.md; default: on with CUDA graphs)")
-    p.add_argument("--idle-prefill-chunk", type=int, default=None, metavar="N",
-                   help="prompt tokens per chunk in a step without decoding streams (default on CUDA: "
-                        "max(--prefill-chunk, 16384); 0: off; docs/engine.md)")
+    add_prefill_options(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights and activations: auto (default) = bf16 on CUDA (the head, routers, "

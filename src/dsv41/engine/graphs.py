@@ -112,7 +112,8 @@ def capture_graph(step: Callable[[], object], pool, retries: int = 1) -> torch.c
         for _ in range(2):
             step()
     torch.cuda.current_stream().wait_stream(side)
-    for attempt in range(retries + 1):
+    attempt = 0
+    while True:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
@@ -121,7 +122,7 @@ def capture_graph(step: Callable[[], object], pool, retries: int = 1) -> torch.c
         except RuntimeError:
             if attempt == retries:
                 raise
-            del graph
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-    raise AssertionError("unreachable")
+        attempt += 1
+        del graph
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

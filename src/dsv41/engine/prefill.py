@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -35,6 +36,9 @@ from dsv41.engine.block_manager import to_device
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.runner import Capture, Carry, Runner
 from dsv41.plan import FULL
+
+if TYPE_CHECKING:  # static_prefill imports this module
+    from dsv41.engine.static_prefill import StaticPrefill
 
 
 @dataclass
@@ -160,7 +164,7 @@ class PrefillJob:
     def __init__(self, runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,
                  exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False,
                  images: PromptImages | None = None, capture_layers: tuple[int, ...] = (),
-                 capture_at: str = "output", static=None):
+                 capture_at: str = "output", static: StaticPrefill | None = None):
         if not tokens:
             raise ValueError("prefill needs at least one token")
         if chunk < 1:
@@ -185,7 +189,7 @@ class PrefillJob:
         self.tail_pre: Tensor | None = None
         self.capture_layers, self.capture_at = tuple(capture_layers), capture_at
         self.features: dict[int, Tensor] = {}  # layer → (m, dim), the last positions run
-        self.static = static  # StaticPrefill | None
+        self.static = static
         self.static_runs = 0  # runs it made
         if encoder_replay:
             seq.clear_windows(range(c.n_layers))
@@ -506,7 +510,7 @@ def _carry_row(carry: Carry, b: int) -> Carry:
 
 def prefill(runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,
             exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False,
-            images: PromptImages | None = None, static=None) -> Tensor:
+            images: PromptImages | None = None, static: StaticPrefill | None = None) -> Tensor:
     """Process `tokens` (appended after what seq already holds); return the last position's
     logits (vocab,) fp32. See `PrefillJob`."""
     job = PrefillJob(runner, seq, tokens, chunk=chunk, exact=exact, encoder_replay=encoder_replay,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv41.config import ConfigError
-from dsv41.engine.cli import SHIPPED_MODEL
+from dsv41.engine.cli import SHIPPED_MODEL, add_prefill_options
 
 DEFAULT_CHECKPOINT = SHIPPED_MODEL  # what `dsv41 serve` loads without --checkpoint / --preset
 log = logging.getLogger("dsv41.server")
@@ -80,13 +80,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="per-request limit in seconds: queued → 503, generating → cut with "
                         "finish_reason 'length' (default 600; 0 = none)")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body limit → 413 (default 8 MiB)")
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
-    p.add_argument("--static-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="run whole prefill chunks and the decoder replay from static steps at power-of-two shapes, "
-                        "replayed from CUDA graphs (docs/engine.md; default: on with CUDA graphs)")
-    p.add_argument("--idle-prefill-chunk", type=int, default=None, metavar="N",
-                   help="prompt tokens per chunk in a step without decoding streams (default on CUDA: "
-                        "max(--prefill-chunk, 16384); 0: off; docs/engine.md)")
+    add_prefill_options(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights and activations: auto (default) = bf16 on CUDA (the head, routers, "
