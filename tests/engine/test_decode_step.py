@@ -268,10 +268,12 @@ def test_static_encoder_chunks_and_replay_are_the_encoder_only_prefill(T):
     assert seq.n_tokens % 2 == 1
 
 
-def test_fill_batch_reserves_the_rows_of_a_block_where_its_tokens_complete_groups():
+@pytest.mark.parametrize("T, steps, ragged", [(7, 9, False), (300, 3, False), (301, 3, True)])
+def test_fill_batch_reserves_the_rows_of_a_block_where_its_tokens_complete_groups(T, steps, ragged):
     """A block of T positions from any start: per kv source of ratio m, the positions t with (pos + t + 1) % m == 0
     get the next entry rows in order (page id · R + offset), the others −1, the count grows by their number;
-    reserve=False (a replay of cached tokens) reserves none."""
+    reserve=False (a replay of cached tokens) reserves none. T = 300: more than 64 rows per source at once (the
+    numpy path of a prefill piece); ragged: a row of fewer tokens pads the positions after them (token 0, no row)."""
     from dsv41.engine.block_manager import BlockManager
     from dsv41.engine.cache import SequenceCache
     from dsv41.engine.runner import DecodeIO
@@ -280,23 +282,26 @@ def test_fill_batch_reserves_the_rows_of_a_block_where_its_tokens_complete_group
     c = model.config
     pools = BlockManager(c, torch.device("cpu"), max_slots=1, max_tokens=2048, max_seq_len=1024, page_rows=4)
     seq = SequenceCache(c, pools=pools)
-    T = 7
-    io = DecodeIO(c, pools, 1, T)
-    for step in range(9):
+    io = DecodeIO(c, pools, 1, T, ragged=ragged)
+    for step in range(steps):
+        n = T - 1 - 2 * step if ragged else T  # the row's real tokens (ragged: fewer each step)
         pos, before = seq.n_tokens, {s: seq.entry_stores[s].n_entries for s in io.sources}
-        io.fill_batch([seq], [[5] * T])
+        block = [7 + (pos + t) % 50 for t in range(n)]
+        io.fill_batch([seq], [block])
+        assert list(io.view[io.TOK:io.TOK + T, 0]) == block + [0] * (T - n)
         for s in io.sources:
             m, R = seq.entry_stores[s].ratio, pools.page_rows
-            ends = [t for t in range(T) if (pos + t + 1) % m == 0]
+            ends = [t for t in range(n) if (pos + t + 1) % m == 0]
             want = [-1] * T
             for j, t in enumerate(ends):
                 e = before[s] + j
                 want[t] = seq.pages[s][e // R] * R + e % R
             assert list(io.view[io.ROW[s]:io.ROW[s] + T, 0]) == want, (step, s)
             assert io.view[io.CNT[s], 0] == before[s] + len(ends)
-        seq.tokens.extend([5] * T)
+            assert seq.entry_stores[s].index_k.n_rows == seq.entry_stores[s].kv.n_rows
+        seq.tokens.extend(block)
     assert {seq.entry_stores[s].ratio for s in io.sources} == {4, 2}
-    io.fill_batch([seq], [[5] * T], positions=[seq.n_tokens - T], reserve=False)
+    io.fill_batch([seq], [[5] * n], positions=[seq.n_tokens - n], reserve=False)
     for s in io.sources:
         assert list(io.view[io.ROW[s]:io.ROW[s] + T, 0]) == [-1] * T
 
@@ -314,10 +319,10 @@ def test_reserve_gives_the_page_rows_of_the_next_entries_for_any_count():
     seq = SequenceCache(c, pools=pools)
     s = next(iter(pools.sources))
     rows, got = seq.entry_stores[s].kv, []
-    for n in (1, 64, 65, 3, 300, 1):
-        got += rows.reserve(n)
+    for i, n in enumerate((1, 64, 65, 3, 300, 1, 97)):
+        got += rows.reserve(n) if i % 2 == 0 else rows.reserve_array(n).tolist()  # list and array: the same ids
         other.entry_stores[s].kv.reserve(5)  # interleaved pages: the sequence's pages are not contiguous
     R, pages = pools.page_rows, seq.pages[s]
-    assert got == [pages[i // R] * R + i % R for i in range(rows.n_rows)] and rows.n_rows == 434
+    assert got == [pages[i // R] * R + i % R for i in range(rows.n_rows)] and rows.n_rows == 531
     theirs = {other.pages[s][i // R] * R + i % R for i in range(other.entry_stores[s].kv.n_rows)}
     assert len(set(got)) == len(got) and not set(got) & theirs  # no row given twice, none of another sequence's

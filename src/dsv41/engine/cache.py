@@ -75,8 +75,18 @@ class PagedRows:
         R, pages = self.page_rows, self.page_ids
         if n <= 64:  # a decode step's one row: plain Python is cheaper than numpy's call overhead
             return [pages[i // R] * R + i % R for i in range(first, first + n)]
-        i = np.arange(first, first + n)  # a prefill chunk's rows (16K for 32K tokens at ratio 2)
-        return (np.asarray(pages, dtype=np.int64)[i // R] * R + i % R).tolist()
+        return self._ids(first, n).tolist()
+
+    def reserve_array(self, n: int) -> np.ndarray:
+        """`reserve` as an int64 array (a prefill piece's thousands of rows: no Python list between)."""
+        first = self.n_rows
+        self.cache.ensure_pages(self.layer_id, first + n)
+        self.n_rows += n
+        return self._ids(first, n)
+
+    def _ids(self, first: int, n: int) -> np.ndarray:
+        R, i = self.page_rows, np.arange(first, first + n)
+        return np.asarray(self.page_ids, dtype=np.int64)[i // R] * R + i % R
 
     def reserve_ids(self, n: int) -> Tensor:
         """`reserve` for many rows at once: the pool row ids as a device tensor (n,) int64."""
@@ -130,6 +140,15 @@ class EntryStore:
                                f"{self.index_k.n_rows} index keys")
         self.index_k.reserve(n)
         return self.kv.reserve(n)
+
+    def reserve_array(self, n: int) -> np.ndarray:
+        """`reserve` as an int64 array; the index keys' rows are the same ids (computed once)."""
+        if self.kv.n_rows != self.index_k.n_rows:
+            raise RuntimeError(f"kv source {self.layer_id}: {self.kv.n_rows} entries but "
+                               f"{self.index_k.n_rows} index keys")
+        ids = self.kv.reserve_array(n)
+        self.index_k.n_rows += n  # the pages are shared: kv's reserve took them for both kinds
+        return ids
 
     def reserve_ids(self, n: int) -> Tensor:
         """`reserve` as a device tensor (n,) int64 (prefill chunks: no Python list of row ids)."""
