@@ -191,3 +191,24 @@ def test_warm_up_leaves_an_idle_engine_that_serves_as_a_fresh_one(tmp_path):
     engine.add_request(prompt, SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle"):
         engine.warm_up()
+
+
+def test_warm_up_runs_its_prompts_on_the_host_path_and_through_static_prefill():
+    """With static prefill on, the warm-up's prompts take both prefill paths — the host path (every piece beside
+    decoding streams runs there: its kernels must be compiled before the first loaded step) and `StaticPrefill` —
+    and leave the engine's static prefill in place."""
+    model = engine_test_model(89)
+    for static_prefill in (True, False):
+        engine = Engine(model, max_batch=3, static_prefill=static_prefill)
+        static, host_forward, host = engine.static, engine.runner.forward, []
+
+        def counted(*args, host=host, host_forward=host_forward, **kwargs):
+            host.append(1)
+            return host_forward(*args, **kwargs)
+
+        engine.runner.forward = counted  # the host path's forward (StaticPrefill runs static steps instead)
+        engine.warm_up(groups=((5,), (9, 3)))
+        assert engine.static is static and (static is not None) == static_prefill
+        assert len(host) >= 3  # on the host path: each group's encoder pieces and replays
+        if static is not None:
+            assert static.pieces >= 3 and engine.stats.static_prefill_runs >= 3  # and each prompt through static
