@@ -50,7 +50,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv41.kernels.triton.common import dot_dtype, e4m3_to_f32, e8m0_to_f32, fp4_to_f32, interpreting, runnable
+from dsv41.kernels.triton.common import (
+    dot_dtype,
+    e4m3_to_f32,
+    e8m0_to_f32,
+    fp4_to_f32,
+    interpreting,
+    jit_sizes,
+    runnable,
+)
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # what the kernels may read
@@ -238,7 +246,8 @@ def _entry_step(acc, m_i, l_i, q, q_rows, h_ok, i, live, qk_scale, ids, K, page_
                         D, BLOCK_H, BLOCK_N, BLOCK_K, BLOCK_DV, BLOCK_PV, PRELOAD_PV, True, FP4_DECODE, DOT_DTYPE)
 
 
-@triton.jit
+@jit_sizes("T", "K", "n_ring_tiles", "n_chunk_tiles", "n_tiles", "tiles_per_split", "n_splits", "stride_chunk_b",
+           "stride_tk_b", "stride_tk_t", "stride_pos_b")
 def _sparse_attention_kernel(
         q_ptr, q_pos_ptr, sink_ptr, window_start_ptr,
         ring_ptr, ring_pos_ptr, ring_ids_ptr, chunk_ptr,
@@ -364,7 +373,7 @@ def _sparse_attention_kernel(
             tl.store(o_rows[:, None] + vcols[None, :], o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
-@triton.jit
+@jit_sizes("T")
 def _combine_kernel(part_o_ptr, part_ml_ptr, sink_ptr, out_ptr, T, H, stride_ob, stride_ot, stride_oh,
                     N_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Merge the splits of one (query, head block, value block): Σ_s w_s·acc_s / (Σ_s w_s·l_s + e^sink)."""

@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv41.kernels.ref.cache_write import CACHE_LAYOUTS, check_args
-from dsv41.kernels.triton.common import e4m3_to_f32, fp4_to_f32, interpreting, runnable
+from dsv41.kernels.triton.common import e4m3_to_f32, fp4_to_f32, interpreting, jit_sizes, runnable
 
 _X_FP32, _X_BF16, _X_FP16 = 0, 1, 2
 _X_KIND = {torch.float32: _X_FP32, torch.bfloat16: _X_BF16, torch.float16: _X_FP16}
@@ -110,7 +110,7 @@ def _fp4_code(s):
     return mag | ((s.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
-@triton.jit
+@jit_sizes("n_tokens", "T", "n_rows", "si_b")
 def _rope_quantize_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, idx_ptr,
     n_tokens, T, n_rows,

@@ -24,6 +24,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def jit_sizes(*sizes: str):
+    """`triton.jit` without specialization on the integer arguments `sizes` (token, row and entry counts, and the
+    strides that follow them). Triton compiles a kernel again for each new combination of its integer arguments
+    being 1, a multiple of 16 or neither; on a serving path whose counts change with every batch that was a
+    compile in the middle of live traffic — decode_load (2026-12-06, H100): steps of 6.2 s and 4.9 s, every stream
+    waiting, when the first pieces of 511 tokens ran (the sparse-attention kernel alone compiles in 4-5 s). Sizes
+    whose divisibility is fixed by the model's shapes (head and row strides) stay specialized: their alignment
+    vectorizes loads and never starts another compile."""
+    return triton.jit(do_not_specialize=list(sizes))
+
+
 def dot_dtype() -> tl.dtype:
     """Operand dtype for `tl.dot` on decoded values: fp32 in the interpreter, bf16 on the GPU."""
     return tl.float32 if interpreting() else tl.bfloat16

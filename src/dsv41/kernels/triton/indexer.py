@@ -66,7 +66,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dsv41.kernels.ref.indexer import block_maxima
-from dsv41.kernels.triton.common import e8m0_to_f32, fp4_to_f32, interpreting, runnable
+from dsv41.kernels.triton.common import e8m0_to_f32, fp4_to_f32, interpreting, jit_sizes, runnable
 
 MMAS = ("fp8", "bf16")
 DECODES = ("asm", "bits")
@@ -376,7 +376,7 @@ def _head_sum(acc, w, BLOCK_T: tl.constexpr, HP: tl.constexpr):
     return tl.trans(tl.sum(tl.reshape(x, (BLOCK_N, BLOCK_T, HP)), axis=2))
 
 
-@triton.jit
+@jit_sizes("T", "n_max", "n_bmax")
 def _scores_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, out_ptr, bmax_ptr, T, n_max, n_bmax,
                    stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh, stride_pb, stride_pp,
                    stride_vb, stride_vt, stride_ob, stride_ot, stride_mb, stride_mt,
@@ -500,7 +500,7 @@ def _scores_tiles_v1(q0, q1, q2, q3, w, key_ptr, pt_ptr, b, stride_pb, stride_pp
             _store_tile(s, e, n0, out_rows, bmax_rows, t_ok, n_max, n_bmax, BLOCK_N, BS)
 
 
-@triton.jit
+@jit_sizes("T", "n_cols")
 def _blocks_kernel(q_ptr, w_ptr, key_ptr, pt_ptr, nk_ptr, ve_ptr, blk_ptr, out_ptr, T, n_cols,
                    stride_qb, stride_qt, stride_qh, stride_qd, stride_wb, stride_wt, stride_wh, stride_pb, stride_pp,
                    stride_vb, stride_vt, stride_bb, stride_bt, stride_bk, stride_ob, stride_ot,
@@ -542,7 +542,7 @@ def _order_keys(x, col, N):
     return (o.to(tl.int64) << 32) | (N - 1 - col)
 
 
-@triton.jit
+@jit_sizes("T", "N")
 def _keys_kernel(s_ptr, key_ptr, T, N, stride_sb, stride_st, BLOCK: tl.constexpr):
     """One int64 order key per score (larger = better, ties → lower column); −inf → the minimum."""
     row = tl.program_id(0)
@@ -727,7 +727,7 @@ def _pick_tile(row, ids_row, out_row, thr, start, N, K, need_eq, taken, eq_seen,
     return taken + tl.sum(picked.to(tl.int32), axis=0), eq_seen + tl.sum(eq.to(tl.int32), axis=0)
 
 
-@triton.jit
+@jit_sizes("T", "N", "K")
 def _pick_kernel(scores_ptr, thr_ptr, ids_ptr, out_ptr, T, N, K, s_sb, s_st, s_ib, s_it, s_ob, s_ot,
                  HAS_IDS: tl.constexpr, BLOCK: tl.constexpr, STATIC_TRIPS: tl.constexpr, N_TILES: tl.constexpr,
                  K_TILES: tl.constexpr):

@@ -86,7 +86,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from dsv41.kernels.triton.common import capability, dot_dtype, interpreting, runnable
+from dsv41.kernels.triton.common import capability, dot_dtype, interpreting, jit_sizes, runnable
 
 HC_MULT = 4  # the pass kernel is written for n = 4 streams (every preset)
 PRECISIONS = ("split", "tf32x3", "ieee")
@@ -230,7 +230,7 @@ def _fn_tile(fn_ptr, s_fnk, col, col_ok, kk, K_OUT: tl.constexpr):
     return tl.load(fn_ptr + kk[None, :] * s_fnk + col[:, None], mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit
+@jit_sizes("M")
 def _mhc_pass_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, hnew_ptr, x_ptr, mix_ptr, part_ptr, sq_ptr,
                      M, D, norm_eps, s_ht, s_hn, s_ft, s_fnk, N_IT: tl.constexpr,
                      POST: tl.constexpr, HAS_FN: tl.constexpr, FINAL: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -356,7 +356,7 @@ def _load5_tma(h_desc, f_desc, t0, c0, BLOCK_T: tl.constexpr, BLOCK_D: tl.conste
     return h0, h1, h2, h3, f
 
 
-@triton.jit
+@jit_sizes("M")
 def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr, x_ptr, mix_ptr, part_ptr, sq_ptr,
                       h_desc, f_desc, M, D, norm_eps, s_ht, s_hn, s_ft, s_wp, N_IT: tl.constexpr,
                       POST: tl.constexpr, HAS_FN: tl.constexpr, FINAL: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -434,7 +434,7 @@ def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr
         _store_mixes(acc, sq, mix_ptr, part_ptr, sq_ptr, rows64, row_ok, kk, pid_s, M, D, norm_eps, FINAL, K_OUT, KP)
 
 
-@triton.jit
+@jit_sizes("M")
 def _mhc_finish_kernel(part_ptr, sq_ptr, mix_ptr, M, D, norm_eps, SPLIT: tl.constexpr,
                        K_OUT: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -464,7 +464,7 @@ def _split_setup(mix_ptr, scale_ptr, M, s_mt, N: tl.constexpr, NP: tl.constexpr,
     return rows < M, rows64, j, j < N, s0, s1, s2, mix_ptr + rows64 * s_mt
 
 
-@triton.jit
+@jit_sizes("M")
 def _mhc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M, eps, s_mt,
                       ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
     """BLOCK tokens per program; each token's n×n matrix lives in registers as a (BLOCK, NP, NP) slice."""

@@ -13,10 +13,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv41.kernels.triton.common import interpreting, runnable
+from dsv41.kernels.triton.common import interpreting, jit_sizes, runnable
 
 
-@triton.jit
+@jit_sizes("n_rows")
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, D, stride_x, stride_o, eps,
                      BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

@@ -18,12 +18,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv41.kernels.triton.common import runnable
+from dsv41.kernels.triton.common import jit_sizes, runnable
 
 SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
 
-@triton.jit
+@jit_sizes("N")
 def _route_kernel(logit_ptr, bias_ptr, w_ptr, idx_ptr, score_ptr, route_ptr, N, E, s_l, s_b, gate_temp,
                   route_scale, SCORE: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
                   BIAS_ROWS: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):

@@ -13,10 +13,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv41.kernels.triton.common import interpreting, runnable
+from dsv41.kernels.triton.common import interpreting, jit_sizes, runnable
 
 
-@triton.jit
+@jit_sizes("M")
 def _swiglu_kernel(g_ptr, u_ptr, w_ptr, out_ptr, M, C, s_g, s_u, s_w, s_o, limit, group,
                    CLAMP: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
