@@ -212,3 +212,32 @@ def test_warm_up_runs_its_prompts_on_the_host_path_and_through_static_prefill():
         assert len(host) >= 3  # on the host path: each group's encoder pieces and replays
         if static is not None:
             assert static.pieces >= 3 and engine.stats.static_prefill_runs >= 3  # and each prompt through static
+
+
+@pytest.mark.parametrize("layers", [None, 1])
+def test_warm_up_prefills_a_prompt_of_two_chunks_beside_a_decoding_request(layers):
+    """`warm_up(beside=True)`: after the groups, a prompt of prefill_chunk + 17 tokens arrives while another request
+    decodes — steps with decode rows and prefill pieces together, the prompt in two chunks (and layer pieces with
+    `prefill_layers`); the engine is left idle with every page free. beside=False: no such step."""
+    model = engine_test_model(90)
+    for beside in (True, False):
+        engine = Engine(model, max_batch=3, prefill_chunk=16, prefill_layers=layers)
+        free = {s: engine.pools.free_pages(s) for s in engine.pools.sources}
+        schedule, mixed = engine.scheduler.schedule, []
+
+        def recorded(schedule=schedule, mixed=mixed):
+            batch = schedule()
+            if batch.decode and batch.prefill:
+                mixed.append(batch)
+            return batch
+
+        engine.scheduler.schedule = recorded
+        engine.warm_up(groups=((5,),), beside=beside)
+        assert not engine.has_work() and engine.pools.free_slots == engine.max_batch
+        assert {s: engine.pools.free_pages(s) for s in engine.pools.sources} == free
+        if not beside:
+            assert not mixed
+            continue
+        assert len(mixed) >= 2  # the arriving prompt's chunks (16 + 16 + 1 tokens) beside the decoding one
+        if layers == 1:  # one layer a step: the encoder's layers one piece each
+            assert len(mixed) >= 2 * model.config.encoder_layers

@@ -60,10 +60,11 @@ def _variants(kernel) -> int:
 def test_gpu_sparse_attention_compiles_once_for_any_token_count():
     """Prefill chunks of 300, 301, 303, 304 and 290 tokens (multiples of 16 or not, odd or even) with a window
     ring, chunk keys, a replay start and entries: one compiled variant after the first call."""
+    from tests.kernels.test_attention import make_case
+
     from dsv41.kernels import ops
     from dsv41.kernels.ops import use_backend
     from dsv41.kernels.triton import attention
-    from tests.kernels.test_attention import make_case
 
     counts = []
     for T in (300, 301, 303, 304, 290):
@@ -78,8 +79,9 @@ def test_gpu_sparse_attention_compiles_once_for_any_token_count():
 @pytest.mark.gpu
 def test_gpu_rope_quantize_compiles_once_for_any_token_count():
     """Cache writes of 8000, 8001, 8016 and 8017 tokens (one tokens-per-program size): one compiled variant."""
-    from dsv41.kernels.triton import cache_write
     from tests.kernels.test_cache_write import _angles, _random_x, _row_index, _write
+
+    from dsv41.kernels.triton import cache_write
 
     counts = []
     for n in (8000, 8001, 8016, 8017):

@@ -313,22 +313,27 @@ class Engine:
     WARM_UP_PROMPTS = ((1,), (17, 17), (160,))  # prompt lengths, one group at a time (a group arrives at once)
 
     @torch.no_grad()
-    def warm_up(self, groups: tuple[tuple[int, ...], ...] = WARM_UP_PROMPTS) -> float:
-        """Run throwaway prompts through prefill and two decode steps each, so that the kernels of every prefill
-        piece shape are compiled before the first real request: Triton compiles a kernel for each specialization
-        of its integer arguments (1, a multiple of 16, anything else) at its first use — seconds that a live
-        server would otherwise spend with every stream waiting (decode_load: one 2.3 s step when a 255-token
-        piece first ran). The default groups give pieces of 1 token, of an odd count (two prompts at once: a
-        batched piece) and of 16·k, for the encoder layers, the decoder's replay and the decode step. With static
-        prefill the groups run twice: first on the host path — the path of every piece beside decoding streams,
-        which an idle engine's prompts would otherwise never take (decode_load, 2026-12-06: steps of 3.9 s and
-        3.8 s when the first layer pieces of a 511-token chunk ran) — then through `StaticPrefill` (its graphs
-        of those shapes). The prefix cache is bypassed; the counters in `stats` include the warm-up. Needs an
-        idle engine; returns the seconds it took."""
+    def warm_up(self, groups: tuple[tuple[int, ...], ...] = WARM_UP_PROMPTS, beside: bool = True) -> float:
+        """Run throwaway prompts through prefill and two decode steps each, so that every kernel variant a live
+        step needs is compiled (Triton) or captured (CUDA graphs) before the first real request — each is seconds
+        that a live server would otherwise spend with every stream waiting (decode_load, 2026-12-06: steps of
+        6.2 s and 4.9 s). Variants follow the piece's kind and shape: 1 token, an odd count (two prompts at once:
+        a batched piece) and 16·k (the default groups), the first chunk of a prompt or a continued one, a whole
+        run or one cut between layers. With static prefill the groups run twice: on the host path — the path of
+        every piece beside decoding streams, which an idle engine's prompts never take — then through
+        `StaticPrefill`. `beside` (max_batch ≥ 2): then a prompt of prefill_chunk + 17 tokens arrives while
+        another request decodes — the loaded path: two chunks (the second reads the first's window ring), layer
+        pieces (`prefill_layers`) and odd counts next to a decode batch. The prefix cache is bypassed; the
+        counters in `stats` include the warm-up. Needs an idle engine; returns the seconds it took."""
         if self.has_work():
             raise RuntimeError("Engine.warm_up needs an idle engine (no request waiting or running)")
         t0 = time.perf_counter()
         g = torch.Generator().manual_seed(0)
+
+        def prompt(n: int, room: int = 3) -> list[int]:
+            n = max(1, min(n, self.max_seq_len - room))  # room for the tokens it decodes
+            return torch.randint(3, self.config.vocab_size, (n,), generator=g).tolist()
+
         prefix_cache, self.prefix_cache = self.prefix_cache, None
         static = self.static
         try:
@@ -336,11 +341,23 @@ class Engine:
                 self.static = path  # read when a request is admitted (its `PrefillJob`)
                 for group in groups:
                     for n in group:
-                        n = max(1, min(n, self.max_seq_len - 3))  # room for the two tokens
-                        self.add_request(torch.randint(3, self.config.vocab_size, (n,), generator=g).tolist(),
-                                         SamplingParams(max_tokens=2))
+                        self.add_request(prompt(n), SamplingParams(max_tokens=2))
                     while self.has_work():
                         self.step()
+            self.static = static
+            if beside and self.max_batch >= 2 and self.max_seq_len > 40:
+                # long enough to decode beside the other's every piece (two chunks and the replay, a layer each)
+                n_decode = min(self.max_seq_len - 20, 4 * self.config.n_layers + 16)
+                stream = self.add_request(prompt(17, room=20), SamplingParams(max_tokens=n_decode))
+                while not stream.output and not stream.finished:  # its prefill done: it decodes
+                    self.step()
+                arriving = self.add_request(prompt(self.prefill_chunk + 17), SamplingParams(max_tokens=2))
+                while not arriving.finished and not stream.finished:
+                    self.step()
+                if not stream.finished:
+                    self.abort(stream)
+                while self.has_work():
+                    self.step()
         finally:
             self.prefix_cache, self.static = prefix_cache, static
         return time.perf_counter() - t0
