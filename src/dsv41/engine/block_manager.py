@@ -244,11 +244,23 @@ class BlockManager:
         }
 
     @staticmethod
-    def tokens_for_budget(config: ModelConfig, budget_bytes: int, max_slots: int) -> int:
-        """How many cached tokens fit in budget_bytes after the slot-indexed pools (rings, groups)."""
+    def tokens_for_budget(config: ModelConfig, budget_bytes: int, max_slots: int, page_rows: int = PAGE_ROWS) -> int:
+        """The most cached tokens (`max_tokens`) whose pools fit in budget_bytes: the slot-indexed pools (window
+        rings and their positions, the partial groups of ratio-m sources) and, per source, the pages — those the
+        tokens fill plus the one page per slot and the one page of rounding that `__init__` adds. (The page tables,
+        a few KiB, are not counted.)"""
         c = config
-        ring = c.n_layers * (max_slots + 1) * c.window_size * (CACHE_LAYOUTS["window_fp8"].row_bytes(c.head_dim) + 8)
-        per_token = sum((CACHE_LAYOUTS["kv_fp4"].row_bytes(c.head_dim) + CACHE_LAYOUTS["index_fp4"].row_bytes(
-            c.index_head_dim)) / p.ratio for p in layer_plan(c) if p.mode == FULL)
-        left = budget_bytes - ring
+        S = max_slots + 1
+        fixed = c.n_layers * S * c.window_size * (CACHE_LAYOUTS["window_fp8"].row_bytes(c.head_dim) + 8)
+        per_token = 0.0
+        for p in layer_plan(c):
+            if p.mode != FULL:
+                continue
+            entry = CACHE_LAYOUTS["kv_fp4"].row_bytes(c.head_dim) + CACHE_LAYOUTS["index_fp4"].row_bytes(
+                c.index_head_dim)
+            fixed += (max_slots + 1) * page_rows * entry  # a page per slot of rounding, one more for the total's
+            if p.ratio > 1:
+                fixed += 2 * S * (p.ratio - 1) * c.head_dim * 4  # partial groups: fp32 projections and scores
+            per_token += entry / p.ratio
+        left = budget_bytes - fixed
         return max(0, math.floor(left / per_token)) if per_token else 0
