@@ -123,6 +123,31 @@ def test_top_p_always_keeps_the_top_token():
         assert torch.equal(out[:2], logits.argmax(-1)[:2]) and 0 <= out[2] < 200
 
 
+@pytest.mark.parametrize("top_p, kept", [(0.5, 2), (0.75, 3), (0.74, 3), (0.76, 4), (0.25, 1)])
+def test_the_nucleus_is_the_smallest_prefix_whose_mass_reaches_top_p(top_p, kept):
+    """Four equal logits (each 1/4 exactly, prefix masses 0, 1/4, 1/2, 3/4 exactly): top_p = 1/2 keeps two tokens
+    — a prefix that reaches top_p exactly ends the nucleus (Hugging Face's TopPLogitsWarper, `_nucleus` above)."""
+    from dsv41.engine.sampling import sampling_probs
+
+    probs = sampling_probs(torch.zeros(1, 4), [SamplingParams(temperature=1.0, top_p=top_p)])[0]
+    assert torch.equal(probs, torch.tensor([1 / kept] * kept + [0.0] * (4 - kept)))
+
+
+def test_a_draw_at_the_top_of_the_range_stays_in_the_kept_set(monkeypatch):
+    """u · total can round up to the total (u just below 1, or a total that rounds down): the draw must still land
+    on a kept token, not past the last one (the rounding guard), whatever the batch."""
+    import dsv41.engine.sampling as sampling
+
+    monkeypatch.setattr(sampling, "host_uniforms", lambda generator, n, dtype=torch.float32: [1.0] * n)
+    logits = _logits(3, 50, 8)
+    params = [SamplingParams(temperature=1.3, top_k=5, seed=1), SamplingParams(temperature=0.8, top_p=0.6, seed=2),
+              SamplingParams(temperature=1.0, seed=3)]
+    out = sample(logits, params, [make_generator(p.seed) for p in params])
+    for row, (p, token) in enumerate(zip(params, out.tolist())):
+        kept = sampling.sampling_probs(logits[row:row + 1], [p])[0] > 0
+        assert kept[token], (row, token)
+
+
 def test_make_generator_seeds():
     a, b = make_generator(7), make_generator(7)
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
