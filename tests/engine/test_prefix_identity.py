@@ -183,3 +183,44 @@ def test_expiry_and_delete_take_descendants_along(tmp_path):
         assert store.put(keys[i], unit(i), {"n_tokens": i + 1, "parent": keys[i - 1] if i else None})
     assert store.delete(keys[1]) and store.parents() == {keys[0]: None}
     assert_no_orphans(store)
+
+
+def test_a_save_without_a_namespace_keeps_the_one_its_sequence_was_resumed_under(tmp_path):
+    """`PrefixCache.save(seq, ends)` with no namespace files the units under the namespace `resume` was given for
+    that sequence: the tenant hits them, the default namespace and another tenant never do."""
+    from dsv41.engine.cache import SequenceCache, private_pools
+    from dsv41.engine.prefill import prefill
+    from dsv41.engine.runner import Runner
+
+    model = tiny(5)
+    c = model.config
+    cache = PrefixCache(c, PersistentStore(tmp_path / "store"))
+    prompt = random_prompt(7, 3 * c.window_size)
+
+    def fresh() -> SequenceCache:
+        return SequenceCache(c, pools=private_pools(c, "cpu", max_tokens=len(prompt) + 8))
+
+    seq = fresh()
+    assert cache.resume(seq, prompt, namespace="tenant-a") is None
+    prefill(Runner(model), seq, prompt)
+    cache.save(seq, ends=[len(prompt)])  # no namespace given
+    assert cache.flush(timeout=30)
+
+    def cached(namespace) -> int:
+        found = cache.resume(fresh(), prompt + [5], namespace=namespace)
+        return 0 if found is None else found.cached_tokens
+
+    assert cached(None) == 0 and cached("tenant-b") == 0
+    assert cached("tenant-a") > c.window_size
+
+
+def test_the_images_of_a_request_name_its_units_in_prompt_order():
+    """`image_namespace`: the same images in another order (or other images) at the same placeholder tokens give
+    another namespace — a unit holds the encoder's output of those images, in that order."""
+    from dsv41.engine.prefix import image_namespace
+
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    names = {image_namespace("tenant", [a, b]), image_namespace("tenant", [b, a]), image_namespace("tenant", [a]),
+             image_namespace("tenant", [a, a]), image_namespace("other", [a, b]), image_namespace(None, [a, b])}
+    assert len(names) == 6
+    assert image_namespace("tenant", []) == "tenant"  # no images: the request's own namespace
