@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from dsv41.checkpoint import (
     save_checkpoint,
     save_state_dict_file,
 )
+from dsv41.checkpoint.files import atomic_write, atomic_write_bytes
 from dsv41.config import _HF_TEXT
 from dsv41.model.transformer import Transformer
 from dsv41.quant.fp4 import mxfp4_dequantize_weight, mxfp4_quantize_weight
@@ -370,17 +372,37 @@ def test_missing_directory_and_config(saved, tmp_path):
     _expect_error(saved, "config.json", "dim")
 
 
-@pytest.mark.parametrize("damage", ["truncate", "short", "header"])
+def _reversed_offsets(data: bytearray) -> bytearray:
+    """The same file with one tensor's data_offsets swapped (a malformed entry, sizes unchanged)."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8:8 + n]))
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["data_offsets"][1] > v["data_offsets"][0])
+    header[name]["data_offsets"] = header[name]["data_offsets"][::-1]
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (n - len(raw))  # same header length: only the entry is wrong
+    assert len(raw) == n
+    return data[:8] + bytearray(raw) + data[8 + n:]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "short", "header", "appended", "offsets"])
 def test_corrupt_safetensors_names_the_file(saved, damage):
+    """A damaged file is a CheckpointError naming it: cut short, garbage in the header, bytes appended after the
+    tensors (their offsets no longer end the file), a tensor whose data ends before it starts."""
     path = saved / "model.safetensors"
     data = bytearray(path.read_bytes())
     if damage == "truncate":
         data = data[: len(data) // 2]
     elif damage == "short":
         data = data[:5]
-    else:
+    elif damage == "header":
         data[8:40] = b"\xff" * 32
+    elif damage == "appended":
+        data += b"\x00" * 64
+    else:
+        data = _reversed_offsets(data)
     path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        read_header(path)
     _expect_error(saved, "model.safetensors")
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_state_dict_file(path)
@@ -431,6 +453,29 @@ def test_interrupted_save_leaves_a_directory_that_does_not_load(tiny, saved, mon
         save_checkpoint(tiny, saved, max_shard_bytes=1 << 19)
     assert not list(saved.glob(".*tmp*"))  # no temporary files left behind
     _expect_error(saved, "config.json")
+
+
+def test_an_interrupted_file_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """`atomic_write`: the new bytes go to a temporary sibling, fsynced before the rename over the target — a write
+    that fails half-way leaves the old file byte for byte and no temporary behind."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"old contents")
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"), real_replace(a, b))[1])
+
+    def half(tmp: Path) -> None:
+        tmp.write_bytes(b"new con")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(path, half)
+    assert path.read_bytes() == b"old contents" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    assert "replace" not in events
+    atomic_write_bytes(path, b"new contents")
+    assert path.read_bytes() == b"new contents" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    assert events[:2] == ["fsync", "replace"]  # the data is on disk before the name points at it
 
 
 def test_save_rejects_bad_arguments(tiny, tmp_path):
