@@ -12,7 +12,7 @@ import pytest
 
 from dsv41.engine.engine import StepOutput
 from dsv41.engine.sampling import SamplingParams
-from dsv41.server.scheduler import Failure, Finish, QueueFull, Scheduler, Token, TooLarge
+from dsv41.server.scheduler import Failure, Finish, QueueFull, Scheduler, ShuttingDown, Token, TooLarge
 
 
 @dataclass
@@ -149,3 +149,46 @@ def test_deadlines_cut_running_and_fail_queued():
         assert queued.events[-1].code == "timeout" and not blocker.done.is_set()
     finally:
         s.stop()
+
+
+def test_a_cancel_during_a_step_delivers_nothing_after_it():
+    """The client goes away while the engine computes a step that emits its token: that token is not delivered
+    (the step's outputs are read after the cancel), nor any later one."""
+    s = make(max_batch=2)
+    box, hook = Inbox(), {}
+    real_step = s.engine.step
+
+    def step():
+        outs = real_step()
+        if "ticket" in hook and len(box.events) >= 2:  # two tokens delivered: cancel inside the third step
+            s.cancel(hook.pop("ticket"))
+            hook["seen"] = len(box.events)
+        return outs
+
+    s.engine.step = step
+    hook["ticket"] = s.submit([1], SamplingParams(max_tokens=1000), box)
+    s.start()
+    try:
+        deadline = time.monotonic() + 5
+        while "seen" not in hook and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)
+    finally:
+        s.stop()
+    assert hook.get("seen") == 2 and len(box.events) == 2 and all(isinstance(e, Token) for e in box.events)
+
+
+def test_a_draining_scheduler_refuses_new_requests_and_serves_the_queued():
+    """`begin_drain`: a submission afterwards is ShuttingDown (HTTP 503); one queued before still finishes."""
+    s = make(max_batch=1)
+    queued = Inbox()
+    s.submit([1], SamplingParams(max_tokens=3), queued)
+    s.begin_drain(5.0)
+    with pytest.raises(ShuttingDown):
+        s.submit([1], SamplingParams(max_tokens=3), Inbox())
+    s.start()
+    try:
+        assert queued.done.wait(5)
+    finally:
+        s.stop()
+    assert isinstance(queued.events[-1], Finish) and queued.events[-1].completion_tokens == 3
