@@ -181,6 +181,19 @@ def test_resume_is_exact(corpus):
         PackedDataset(corpus, SEQ, seed=8).load_state_dict(state)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 64])
+def test_batches_serve_every_planned_row_once_in_plan_order(corpus, batch):
+    """`batches(b)`: the rows of epoch 0's plan, then epoch 1's, each exactly once and in plan order, whatever the
+    batch size (a batch may straddle the epochs' boundary)."""
+    ds = PackedDataset(corpus, SEQ, seed=3)
+    want = [ds.row_arrays(ds.plan(e), r)[0] for e in (0, 1) for r in range(len(ds.plan(e)))]
+    it, got = ds.batches(batch), []
+    while len(got) < len(want):
+        got += list(next(it)["tokens"].numpy())
+    for k, (a, b) in enumerate(zip(want, got)):
+        assert np.array_equal(a[:-1], b), k  # a batch's tokens are the row without its last (the target's)
+
+
 def test_seed_order_and_ranks(corpus):
     a = next(PackedDataset(corpus, SEQ, seed=0).batches(8))
     b = next(PackedDataset(corpus, SEQ, seed=0).batches(8))
