@@ -179,6 +179,13 @@ def test_v4_comparison(flash: dict) -> None:
     assert ratios == sorted(ratios, reverse=True)  # longer saved units amortize the window snapshots
     u8 = v4["unit_tokens_at_8x"]
     assert v4["global_kv_bytes_per_token"] + 2 * v4["window_snapshot_bytes"] / u8 == pytest.approx(8 * 890)
+    # one saved window state: 43 layers × 128 slots × a 584-byte main entry; V4 saves two per unit (the prompt's
+    # end and the output's), amortized over the unit's tokens
+    assert v4["window_snapshot_bytes"] == 43 * 128 * 584
+    for row in v4["persistent"]:
+        n = row["unit_tokens"]
+        assert row["v4_bytes_per_token"] == pytest.approx(v4["global_kv_bytes_per_token"] + 2 * 43 * 128 * 584 / n)
+        assert row["ratio"] == pytest.approx(row["v4_bytes_per_token"] / 890)
 
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
