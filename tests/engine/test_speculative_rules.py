@@ -62,6 +62,34 @@ def test_a_steep_curve_shortens_verification_and_a_flat_one_verifies_everything(
     assert chosen == sorted(chosen, reverse=True) and chosen[0] == 4 and chosen[-1] < 4, chosen
 
 
+def test_equal_rates_choose_less_verification():
+    """Drafts that are never accepted gain nothing; on a flat curve every length has the same rate: the shortest
+    (no verification) wins the tie, padded or ragged."""
+    flat = linear(1.0, 0.0)
+    assert choose_lengths([[0.0] * 4] * 3, [4] * 3, flat) == [0] * 3
+    assert choose_lengths([[0.0] * 4] * 3, [4] * 3, flat, padded=False) == [0] * 3
+
+
+def test_a_rejection_when_p_never_exceeds_q_falls_back_to_p():
+    """norm(max(0, p − q)) is empty when q = p (a rejection has probability 0 then): the residual is p, never a
+    zero row that a draw could not invert."""
+    p = torch.tensor([0.5, 0.25, 0.25, 0.0], dtype=torch.float64)
+    assert torch.equal(rejection_residual(p, p.clone(), 1), p)
+
+
+def test_a_final_draw_at_the_top_of_the_range_stays_on_a_token_p_can_emit(monkeypatch):
+    """The bonus / replacement draw inverts a CDF whose total may round below u · total: it must stay on a token
+    with mass (the last ones of p here have none)."""
+    import dsv41.engine.speculative as speculative
+
+    monkeypatch.setattr(speculative, "host_uniforms", lambda generator, n, dtype=torch.float32: [1.0] * n)
+    logits = torch.tensor([[[2.0, 1.0, 0.5, -1e9, -1e9]] * 2])  # (1, 2, 5): two tokens p never emits
+    params = SamplingParams(temperature=1.0, seed=1)
+    for drafts in ([[0]], [[3]]):  # accepted then the bonus draw, or rejected then the replacement draw
+        (verdict,) = speculative.verify(logits, drafts, [1], [params], [None])
+        assert verdict.tokens[-1] in (0, 1, 2), verdict
+
+
 def test_ragged_lengths_match_brute_force_over_every_combination():
     g = torch.Generator().manual_seed(3)
     for trial in range(6):
@@ -150,6 +178,33 @@ def test_verify_emits_p_at_the_first_position_and_p_given_the_draft_after_it():
         assert chi2 < CHI2_999[int(kept.sum()) - 1], f"chi2 {chi2:.1f}; counts {counts}, expected {n * expected}"
     rate = np.mean([v.accepted for v in verdicts])
     assert 0.2 < rate < 1.8, rate  # drafts were tested, some accepted and some rejected
+    # both drafts accepted: the bonus token is drawn from p_2, the distribution after the second draft
+    bonus = np.bincount([v.tokens[2] for v in verdicts if v.accepted == 2], minlength=V)
+    n, kept = bonus.sum(), p[2].numpy() > 0
+    assert n > 200 and bonus[~kept].sum() == 0, bonus
+    chi2 = float((((bonus - n * p[2].numpy()) ** 2)[kept] / (n * p[2].numpy()[kept])).sum())
+    assert chi2 < CHI2_999[int(kept.sum()) - 1], f"chi2 {chi2:.1f}; counts {bonus}"
+
+
+def test_a_rejected_draft_is_replaced_by_a_fresh_draw_from_the_residual():
+    """p = (.4, .3, .2, .1), drafts from q = (.1, .1, .4, .4): drafts 2 and 3 are rejected with probability
+    1 − p/q, and what replaces them must be distributed as norm(max(0, p − q)) = (.6, .4, 0, 0) — drawn with a
+    uniform of its own (reusing the one that rejected, always ≥ p/q, would favour the CDF's upper end)."""
+    V, N = 4, 8000
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.1, 0.4, 0.4], dtype=torch.float64)
+    logits = p.log().float().view(1, 1, V).expand(N, 2, V)  # T = 2: one draft and the position after it
+    g = torch.Generator().manual_seed(21)
+    drafts = torch.multinomial(q.float(), N, replacement=True, generator=g).view(N, 1)
+    params = SamplingParams(temperature=1.0, seed=3)
+    verdicts = verify(logits, drafts.tolist(), [1] * N, [params] * N, [torch.Generator().manual_seed(4)] * N,
+                      q.float().view(1, 1, V).expand(N, 1, V))
+    replaced = np.bincount([v.tokens[0] for v in verdicts if v.accepted == 0], minlength=V)
+    expected = np.array([0.6, 0.4, 0.0, 0.0])
+    n = replaced.sum()
+    assert n > 1000 and replaced[2:].sum() == 0, replaced
+    chi2 = float(((replaced[:2] - n * expected[:2]) ** 2 / (n * expected[:2])).sum())
+    assert chi2 < CHI2_999[1], f"chi2 {chi2:.1f}; counts {replaced}, expected {n * expected}"
 
 
 def test_greedy_verification_is_exact_match_and_draws_nothing():
