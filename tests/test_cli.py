@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dsv41.cli import SUBCOMMANDS, main
-from dsv41.config import load_config
+from dsv41.config import ConfigError, load_config
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -112,3 +112,33 @@ def test_main_in_process(capsys, tmp_path) -> None:
     assert main(["accounting", "--config", _bad(tmp_path, "b.json", {"dim": -1})]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'dim'" in err
+
+
+class _Raises:
+    """A subcommand whose run fails with `error` (registered by the test below)."""
+
+    error: BaseException | None = None
+
+    def add_parser(self, subparsers):
+        return subparsers.add_parser("boom")
+
+    def run(self, args):
+        raise self.error
+
+
+RAISES = _Raises()
+
+
+@pytest.mark.parametrize("error, needle", [
+    (ConfigError("'dim' must be positive,\n  got -1"), "'dim' must be positive, got -1"),
+    (FileNotFoundError(2, "No such file or directory", "/data/shard-7.bin"), "'/data/shard-7.bin'"),
+])
+def test_any_command_failing_on_its_input_prints_one_line_and_exits_2(monkeypatch, run_main, error, needle):
+    """Whatever subcommand raises a ConfigError or a FileNotFoundError: exit code 2, one `dsv41: error:` line on
+    stderr naming the problem (a multi-line message collapsed), nothing on stdout, no traceback."""
+    RAISES.error = error
+    monkeypatch.setitem(SUBCOMMANDS, "boom", f"{__name__}:RAISES")
+    out = run_main("boom")
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dsv41: error: ") and needle in lines[0], out.stderr
