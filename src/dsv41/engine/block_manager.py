@@ -252,13 +252,12 @@ class BlockManager:
         c = config
         S = max_slots + 1
         fixed = c.n_layers * S * c.window_size * (CACHE_LAYOUTS["window_fp8"].row_bytes(c.head_dim) + 8)
+        entry = CACHE_LAYOUTS["kv_fp4"].row_bytes(c.head_dim) + CACHE_LAYOUTS["index_fp4"].row_bytes(c.index_head_dim)
         per_token = 0.0
         for p in layer_plan(c):
             if p.mode != FULL:
                 continue
-            entry = CACHE_LAYOUTS["kv_fp4"].row_bytes(c.head_dim) + CACHE_LAYOUTS["index_fp4"].row_bytes(
-                c.index_head_dim)
-            fixed += (max_slots + 1) * page_rows * entry  # a page per slot of rounding, one more for the total's
+            fixed += S * page_rows * entry  # a page per slot of rounding, one more for the total's
             if p.ratio > 1:
                 fixed += 2 * S * (p.ratio - 1) * c.head_dim * 4  # partial groups: fp32 projections and scores
             per_token += entry / p.ratio

@@ -29,6 +29,7 @@ from dsv41.kernels.ref.cache_write import dequantize_rows, quantize_rows
 __all__ = ["PAGE_ROWS", "BlockManager", "OutOfPages", "SequenceCache", "private_pools"]
 
 PRIVATE_MAX_TOKENS = 8192  # a lone SequenceCache (tests, tools) gets pools for this many tokens
+FEW_ROWS = 64  # up to this many rows reserved at once, a Python list beats numpy's call overhead (a decode step's)
 
 
 def private_pools(config: ModelConfig, device: torch.device | str = "cpu", max_tokens: int | None = None,
@@ -73,7 +74,7 @@ class PagedRows:
         self.cache.ensure_pages(self.layer_id, first + n)
         self.n_rows += n
         R, pages = self.page_rows, self.page_ids
-        if n <= 64:  # a decode step's one row: plain Python is cheaper than numpy's call overhead
+        if n <= FEW_ROWS:
             return [pages[i // R] * R + i % R for i in range(first, first + n)]
         return self._ids(first, n).tolist()
 

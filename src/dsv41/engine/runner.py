@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from dsv41.engine.block_manager import BlockManager, to_device
-from dsv41.engine.cache import SequenceCache
+from dsv41.engine.cache import FEW_ROWS, SequenceCache
 from dsv41.engine.rollback import RollbackState
 from dsv41.kernels import ops
 from dsv41.model.mhc import hc_pre, identity_pre_mix
@@ -616,7 +616,7 @@ class DecodeIO:
             for b, (pos, store, n) in enumerate(zip(positions, stores, lengths)):
                 # the real positions whose token completes a compressed entry: their rows are reserved now
                 ends = range((m - 1 - pos) % m, n, m) if reserve else range(0)  # (pos + t + 1) % m == 0
-                if len(ends) > 64:  # a prefill piece's rows: one array, no Python list (8K tokens: ~1 ms)
+                if len(ends) > FEW_ROWS:  # a prefill piece's rows: one array, no Python list (8K tokens: ~1 ms)
                     rows[ends.start:n:m, b] = store.reserve_array(len(ends))
                 elif len(ends):
                     rows[ends.start:n:m, b] = store.reserve(len(ends))
