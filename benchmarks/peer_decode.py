@@ -238,7 +238,10 @@ def dsv41_static_prefill(model, n: int, device: str, chunk: int) -> dict:
         best = min(timed(run, device, 1) for _ in range(3))
         out[f"{name}_ms"], out[f"{name}_tok_s"] = best * 1e3, n / best
         if static.graphs:  # the device time of one prompt: each graph it replays, replayed alone between events
-            out[f"{name}_gpu_ms"] = sum(m * graph_ms(static._graphs[k][0], device) for k, m in used.items())
+            per_graph = {k: graph_ms(static._graphs[k][0], device) for k in used}
+            out[f"{name}_gpu_ms"] = sum(m * per_graph[k] for k, m in used.items())
+            # e.g. {"encoder 8192": 8.2, "replay 128": 1.7}: where a prompt's device time goes (kind, shape)
+            out[f"{name}_graph_ms"] = {f"{k[0]} {k[1]}": {"ms": ms, "replays": used[k]} for k, ms in per_graph.items()}
     out.update(encoder_over_exact=out["static_ms"] / out["static_exact_ms"], graphs=static.graphs,
                captures=static.captures)
     if static.graphs:

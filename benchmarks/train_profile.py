@@ -100,6 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     t3 = time.perf_counter()
     phases = {"forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_s": t3 - t2,
               "peak_gib_after_forward": peak_forward, "peak_gib_after_backward": peak_backward}
+    if cuda:  # device time per phase of one step run without syncs (CUDA events between the phases)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        events[0].record()
+        loss = forward()
+        events[1].record()
+        loss.backward()
+        events[2].record()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        events[3].record()
+        _sync(args.device)
+        for name, a, b in zip(("forward", "backward", "optimizer"), events, events[1:]):
+            phases[f"{name}_events_ms"] = a.elapsed_time(b)
     print("phases", json.dumps(phases))
 
     from torch.profiler import ProfilerActivity, profile
@@ -114,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     kernel_us: Counter = Counter()
     syncs: Counter = Counter()
     for ev in prof.events():
-        if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
+        # the profiler also puts its user ranges (Optimizer.step#Muon.step, ...) on the device timeline: not kernels
+        if cuda and ev.device_type == torch.autograd.DeviceType.CUDA and not getattr(ev, "is_user_annotation", False):
             name = ev.name[:90]
             kernels[name] += 1
             kernel_us[name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
