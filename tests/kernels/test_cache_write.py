@@ -1,5 +1,6 @@
 """Cache write (`ops.rope_quantize`): the Triton kernel equals the torch twin bit for bit, and the twin
-equals the model's own path (apply_rope, then the quant.* storage quantizers / fake-quant).
+equals the model's own path (apply_rope, then the quant.* storage quantizers / fake-quant). The window
+ring's write after a prefill chunk (`ops.ring_write`): kernel = twin = the formula, loop by loop.
 
 CPU tests run the kernel in Triton's interpreter at tiny sizes; `gpu` tests at the v41-flash sizes.
 """
@@ -368,3 +369,125 @@ def test_gpu_edge_values(fmt, dtype, hw_e4m3):
     cos, sin = _angles(1, N, R, torch.Generator().manual_seed(1), "cuda")
     _assert_rows_equal(_write("triton", x, cos, sin, fmt, N, row_index, hw_e4m3=hw_e4m3),
                        _write("torch", x, cos, sin, fmt, N, row_index), f"{fmt} {dtype} rotated edge values")
+
+
+# ------------------------------------------------------------------------------------------------
+# The window ring's write after a prefill chunk (`ops.ring_write`): Triton = twin = the formula
+
+RING_SHAPES = [(3, 5, 8), (2, 8, 8), (3, 20, 8), (1, 1, 4)]  # (B, T, W): T < W, T == W, T > W, one key
+
+
+def _ring_case(B: int, T: int, R: int, ragged: bool, seed: int, device="cpu") -> dict:
+    """Random rows, positions past 2^32, ring rows distinct over the batch (each sequence owns its slot's rows) in a
+    ring of random bytes; ragged: a full row, a row of one real key (its first key fills every place) and random
+    counts in [1, T] between them."""
+    g = torch.Generator().manual_seed(seed)
+    M = B * T + 5
+    case = dict(chunk=torch.randint(0, 256, (B, T, R), generator=g, dtype=torch.uint8),
+                positions=torch.randint(0, 1 << 40, (B, T), generator=g),
+                ring_row=torch.randperm(M, generator=g)[:B * T].view(B, T), valid=None,
+                ring_rows=torch.randint(0, 256, (M, R), generator=g, dtype=torch.uint8),
+                ring_pos=torch.randint(-1, 1 << 40, (M,), generator=g))
+    if ragged:
+        valid = torch.randint(1, T + 1, (B,), generator=g)
+        valid[0], valid[-1] = T, 1
+        case["valid"] = valid.to(torch.int32) if R % 4 else valid  # int32 counts too
+    return {k: None if v is None else v.to(device) for k, v in case.items()}
+
+
+def _ring_write(backend: str, case: dict, W: int, **knobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ring_rows, ring_pos) after ring_write with `backend` on copies of the ring (knobs: a direct Triton call)."""
+    out = dict(case, ring_rows=case["ring_rows"].clone(), ring_pos=case["ring_pos"].clone())
+    if knobs:
+        from dsv41.kernels.triton.cache_write import ring_write
+
+        ring_write(**out, window=W, **knobs)
+    else:
+        with use_backend(backend):
+            ops.ring_write(**out, window=W)
+    return out["ring_rows"], out["ring_pos"]
+
+
+def _assert_ring_equal(actual: tuple, expected: tuple, what: str) -> None:
+    _assert_rows_equal(actual[0], expected[0], f"{what} ring rows")
+    if not torch.equal(actual[1], expected[1]):
+        bad = (actual[1] != expected[1]).nonzero().flatten().tolist()
+        raise AssertionError(f"{what}: ring positions differ at rows {bad}")
+
+
+@pytest.mark.parametrize("shape", RING_SHAPES)
+@pytest.mark.parametrize("R", [528, 17])  # a D = 512 window row (4-byte words), an odd row (bytes, masked)
+@pytest.mark.parametrize("ragged", [False, True])
+def test_ring_write_triton_matches_twin(shape, R, ragged):
+    B, T, W = shape
+    case = _ring_case(B, T, R, ragged, seed=B * 1000 + T * 10 + W + R + ragged)
+    expected = _ring_write("torch", case, W)
+    actual = _ring_write("triton", case, W)
+    _assert_ring_equal(actual, expected, f"B={B} T={T} W={W} R={R} ragged={ragged}")
+    assert not torch.equal(expected[0], case["ring_rows"]), "fixture: the write must change the ring"
+
+
+@pytest.mark.parametrize("shape", RING_SHAPES)
+@pytest.mark.parametrize("ragged", [False, True])
+def test_ring_write_twin_is_the_formula(shape, ragged):
+    """Twin == a loop over (b, j): t = max(v_b − w + j, 0), ring_rows[ring_row[b, t]] = chunk[b, t]; nothing else."""
+    B, T, W = shape
+    case = _ring_case(B, T, 17, ragged, seed=7 + B + T + W)
+    rows, pos = case["ring_rows"].clone(), case["ring_pos"].clone()
+    w = min(W, T)
+    for b in range(B):
+        v = T if case["valid"] is None else int(case["valid"][b])
+        for j in range(w):
+            t = max(v - w + j, 0)
+            r = int(case["ring_row"][b, t])
+            rows[r], pos[r] = case["chunk"][b, t], case["positions"][b, t]
+    _assert_ring_equal(_ring_write("torch", case, W), (rows, pos), f"twin B={B} T={T} W={W} ragged={ragged}")
+
+
+def test_ring_write_knobs_and_strides():
+    """One key per program and two, a byte-strided chunk (the 4-byte word view does not apply: bytes, R = 528)."""
+    B, T, W, R = 3, 12, 8, 528
+    case = _ring_case(B, T, R, True, seed=13)
+    expected = _ring_write("torch", case, W)
+    wide = torch.randint(0, 256, (B, T, R + 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(14))
+    wide[..., 1:R + 1] = case["chunk"]
+    strided = dict(case, chunk=wide[..., 1:R + 1])
+    for knobs in ({"block_j": 1}, {"block_j": 2}):
+        _assert_ring_equal(_ring_write("triton", case, W, **knobs), expected, str(knobs))
+        _assert_ring_equal(_ring_write("triton", strided, W, **knobs), expected, f"byte-strided {knobs}")
+
+
+def test_ring_write_bad_arguments():
+    case = _ring_case(2, 4, 17, False, seed=1)
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match="ring_rows"):
+            _ring_write(backend, dict(case, ring_rows=case["ring_rows"][:, :16]), 4)
+        with pytest.raises(ValueError, match="ring_row must"):
+            _ring_write(backend, dict(case, ring_row=case["ring_row"].int()), 4)
+        with pytest.raises(ValueError, match="valid"):
+            _ring_write(backend, dict(case, valid=torch.ones(3, dtype=torch.long)), 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [64, 128, 300, 8192])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_gpu_ring_write_matches_twin(T, ragged):
+    """The v41-flash window (W = 128, 528 B rows) on CUDA, a batch of prefill rows; then the same launch captured
+    in a CUDA graph and replayed with new counts (no host sync, no data-dependent shape)."""
+    W, B = 128, 4
+    case = _ring_case(B, T, 528, ragged, seed=T + ragged, device="cuda")
+    expected = _ring_write("torch", case, W)
+    _assert_ring_equal(_ring_write("triton", case, W), expected, f"T={T} ragged={ragged}")
+    if ragged:
+        rows, pos = case["ring_rows"].clone(), case["ring_pos"].clone()
+        live = dict(case, ring_rows=rows, ring_pos=pos)
+        with use_backend("triton"):
+            ops.ring_write(**live, window=W)  # compiled before the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ops.ring_write(**live, window=W)
+        case["valid"].copy_(torch.tensor([1, T, T // 2, 2], device="cuda"))
+        rows.copy_(case["ring_rows"])
+        pos.copy_(case["ring_pos"])
+        graph.replay()
+        _assert_ring_equal((rows, pos), _ring_write("torch", case, W), f"T={T} graph replay")

@@ -19,7 +19,8 @@ import torch
 
 SERVING = {  # module → the kernels the engine's prefill and decode launch
     "attention": ["_sparse_attention_kernel", "_combine_kernel"],
-    "cache_write": ["_rope_quantize_kernel"],
+    "cache_write": ["_rope_quantize_kernel", "_ring_write_kernel"],
+    "engram": ["_engram_hash_kernel", "_engram_gate_kernel"],
     "indexer": ["_scores_kernel", "_blocks_kernel", "_keys_kernel", "_pick_kernel"],
     "mhc": ["_mhc_pass_kernel", "_mhc_fused_kernel", "_mhc_finish_kernel", "_mhc_split_kernel"],
     "norm": ["_rms_norm_kernel"],

@@ -314,26 +314,9 @@ class Runner:
                                  ring_pos=ring_pos, ring_ids=record.slots, chunk_kv=chunk,
                                  window_start=record.replay_start, **entry_args)
         if chunk is not None:  # now the chunk's last W keys replace the oldest ring slots
-            if record.valid is None:
-                last_w = slice(max(0, T - W), T)
-                keep = record.ring_row[:, last_w].reshape(-1)
-                ring_rows[keep] = chunk[:, last_w].reshape(-1, pools.ring_bytes)
-                ring_pos.view(-1)[keep] = record.positions[:, last_w].reshape(-1)
-            else:
-                self._ring_write_ragged(record, chunk, ring_rows, ring_pos, W)
+            # (a ragged row's last W real keys: block positions [valid − w, valid); one kernel on CUDA)
+            ops.ring_write(chunk, record.positions, record.ring_row, record.valid, ring_rows, ring_pos.view(-1), W)
         return attn.output(o, cos, sin)
-
-    @staticmethod
-    def _ring_write_ragged(record: StepRecord, chunk: Tensor, ring_rows: Tensor, ring_pos: Tensor, W: int) -> None:
-        """The last min(W, T) *real* keys of each ragged row (block positions [valid − w, valid)) replace the oldest
-        ring slots. A row with fewer real keys writes its first key again in the places before it (the same bytes
-        to the same row). Fixed shapes, device indices only (capturable)."""
-        B, T = record.positions.shape
-        w = min(W, T)
-        t = (record.valid.view(B, 1) - w + torch.arange(w, device=chunk.device)).clamp(min=0)  # (B, w)
-        keep = record.ring_row.gather(1, t).view(-1)  # (B·w,)
-        ring_rows[keep] = chunk.gather(1, t.unsqueeze(-1).expand(-1, -1, chunk.size(-1))).view(-1, chunk.size(-1))
-        ring_pos.view(-1)[keep] = record.positions.gather(1, t).view(-1)
 
     def _source(self, source: int, record: StepRecord) -> tuple[Tensor, Tensor, int]:
         """(page table (B, width) int32, entry counts (B,), entry bound) of a kv source, built once

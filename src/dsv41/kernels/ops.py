@@ -123,6 +123,8 @@ def _ref_module(family: str):
         from dsv41.kernels.ref import swiglu as module
     elif family == "router":
         from dsv41.kernels.ref import router as module
+    elif family == "engram":
+        from dsv41.kernels.ref import engram as module
     else:
         raise ValueError(f"no kernel family {family!r}")
     return module
@@ -303,6 +305,21 @@ def rope_quantize(x: Tensor, cos: Tensor, sin: Tensor, fmt: str, out_rows: Tenso
     _impl("cache_write", "rope_quantize", x, out_rows)(x, cos, sin, fmt, out_rows, row_index)
 
 
+def ring_write(chunk: Tensor, positions: Tensor, ring_row: Tensor, valid: Tensor | None, ring_rows: Tensor,
+               ring_pos: Tensor, window: int) -> None:
+    """A prefill chunk's last w = min(window, T) real window keys → the window ring, after the attention read it.
+
+    chunk (B, T, R) uint8 quantized window rows, positions (B, T) int64, ring_row (B, T) int64 each token's
+    flat ring row, valid (B,) integers each row's real keys (block positions [0, valid), 0 <= valid <= T) or
+    None (all T). For j < w, t = max(valid[b] − w + j, 0): ring_rows[ring_row[b, t]] = chunk[b, t] and
+    ring_pos[ring_row[b, t]] = positions[b, t], in place into ring_rows (M, R) uint8 and ring_pos (M,) int64;
+    a row of fewer real keys than w writes its first key again (the same bytes to the same row). Rows not
+    named are untouched. Bit-identical to the twin; one kernel on CUDA, no host sync (capturable).
+    """
+    _impl("cache_write", "ring_write", chunk, ring_rows)(chunk, positions, ring_row, valid, ring_rows, ring_pos,
+                                                         window)
+
+
 def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
     """Rotate the last 2·cos.size(-1) channels of x (B, T, [H,] D) as adjacent pairs by the angles
     (cos, sin) (B, T, R/2) — by their negatives when `inverse` — in fp32, rounded to x's dtype; the
@@ -353,6 +370,35 @@ def moe_route(logits: Tensor, bias: Tensor, gate_temp: float, score_func: str, k
         return _ref_module("router").moe_route(logits, bias, gate_temp, score_func, k, norm, route_scale, dense, hook)
     fn = _impl("router", "moe_route", logits, bias, supported=logits.dtype == torch.float32)
     return fn(logits, bias, gate_temp, score_func, k, norm, route_scale, dense)
+
+
+# ---------------------------------------------------------------------------------------------
+# Engram (SPEC §1a, §5): n-gram hash ids and the gated memory read, inference only
+
+
+def engram_hash(tokens: Tensor, token_map: Tensor, multipliers: Tensor, primes: Tensor, offsets: Tensor,
+                pad_id: int, *, history: Tensor | None = None, dead_mask: Tensor | None = None) -> Tensor:
+    """`model.engram.NgramHasher` without document ids: tokens (B, T) raw ids (negative = dead) → int64
+    (B, T, L, (S − 1)·heads) table ids. Slot s of position t reads tokens[t − s], or before the chunk
+    history (B, <= S − 1) (newest last, −1 = start / dead; None = sequence start); a negative or dead_mask
+    (B, T) token blocks its slot and every farther one (they read token_map[pad_id]). Per layer l the rolling
+    xor of token_map[id]·multipliers[l, s] (int64, wrapping) after slot o + 1 gives order o's columns:
+    hash % primes[l, o, head] + offsets[l, o·heads + head]. Bit-identical to the twin; one kernel on CUDA."""
+    fn = _impl("engram", "engram_hash", tokens, token_map, history, dead_mask)
+    return fn(tokens, token_map, multipliers, primes, offsets, pad_id, history=history, dead_mask=dead_mask)
+
+
+def engram_gate(x: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                token_mask: Tensor | None = None) -> Tensor:
+    """Engram's memory read after its `wkv` GEMM: x (B, T, hc, dim) streams, kv (B, T, (hc + 1)·dim) hc keys
+    then one value → x + gate·value (B, T, hc, dim) in x's dtype, fp32 math; per (token, stream)
+    d = Σ(h·(q_weight·k_weight)·key)·rstd(h)·rstd(key)·dim^−½ (RMS over dim, + eps), gate =
+    σ(sign(d)·√max(|d|, 1e-6)), 0 where token_mask (B, T) is False. Agrees with the twin to fp32 rounding
+    (reduction order); one kernel on CUDA (no gradient)."""
+    floats = _MHC_FLOATS | {torch.float16}
+    fn = _impl("engram", "engram_gate", x, kv, q_weight, k_weight, token_mask,
+               supported=floats.issuperset((kv.dtype, q_weight.dtype, k_weight.dtype)))
+    return fn(x, kv, q_weight, k_weight, eps, token_mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,9 @@ Two halves:
   value, and adds ``gate * value`` to every stream; the gate is a signed square root of the
   normalized dot product of the stream with its key, squashed by a sigmoid.
 
+The formulas are `kernels.ref.engram`'s (the twins of `ops.engram_hash` and `ops.engram_gate`): inference calls
+the ops (one kernel each on CUDA), training and packed batches with document ids call the twins.
+
 Names and numerics follow the official reference, so its ``layers.N.engram.*`` weights load as
 they are (after the loader dequantizes the FP8 table into ``embed.weight``, or keeps it FP8 for
 ``weights="as-released"``, `dsv41.model.released`).
@@ -25,10 +28,11 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv41.config import ModelConfig
+from dsv41.kernels import ops
+from dsv41.kernels.ref import engram as ref_engram
 from dsv41.plan import engram_primes, engram_table_rows
 
 
@@ -127,42 +131,10 @@ class NgramHasher(nn.Module):
         boundaries; dead_mask (B, T) True for image / masked tokens; history (B, <= max_ngram - 1)
         raw ids right before tokens[:, 0], newest last, -1 = sequence start or a dead token (it
         counts as tokens[:, 0]'s document). Returns int64 (B, T, n_engram_layers, n_cols)."""
-        B, T = tokens.shape
-        H = self.max_ngram - 1
-        device = tokens.device
-        tokens = tokens.long()
-        if history is None:
-            history = torch.full((B, H), -1, dtype=torch.int64, device=device)
-        else:
-            history = history.to(device=device, dtype=torch.int64)[:, -H:] if H else history[:, :0]
-            if history.shape[1] < H:  # fewer than H known: the rest is the sequence start
-                history = F.pad(history, (H - history.shape[1], 0), value=-1)
-        ext = torch.cat([history, tokens], dim=1)  # (B, H + T): ext[:, H + t] = tokens[:, t]
-        usable = ext >= 0
-        if dead_mask is not None:
-            usable[:, H:] &= ~dead_mask.to(device=device, dtype=torch.bool)
-        compressed = self.token_map[ext.clamp(min=0)]  # (B, H + T)
-        pad = self.token_map[self.config.engram_pad_id]
-        if doc_ids is not None:
-            doc_ids = doc_ids.to(device)
-            ext_doc = torch.cat([doc_ids[:, :1].expand(B, H), doc_ids], dim=1)  # (B, H + T)
-
-        mult = self.multipliers  # (L, S)
-        blocked = torch.zeros(B, T, dtype=torch.bool, device=device)
-        rolling = None
-        hashes = []
-        for s in range(self.max_ngram):
-            window = slice(H - s, H - s + T)  # position t - s for every t
-            blocked = blocked | ~usable[:, window]
-            if doc_ids is not None:
-                blocked = blocked | (ext_doc[:, window] != doc_ids)
-            tok = torch.where(blocked, pad, compressed[:, window])  # (B, T)
-            product = tok[:, :, None] * mult[:, s]  # (B, T, L); int64 wraps, the bound prevents it
-            rolling = product if rolling is None else rolling ^ product
-            if s >= 1:  # n-gram order s + 1: one bucket per head
-                hashes.append(rolling[..., None] % self.primes[:, s - 1])  # (B, T, L, heads)
-        ids = torch.stack(hashes, dim=3).flatten(3)  # (B, T, L, orders * heads), order-major
-        return ids + self.offsets
+        args = (tokens, self.token_map, self.multipliers, self.primes, self.offsets, self.config.engram_pad_id)
+        if doc_ids is None:  # inference: one kernel on CUDA
+            return ops.engram_hash(*args, history=history, dead_mask=dead_mask)
+        return ref_engram.engram_hash(*args, history=history, dead_mask=dead_mask, doc_ids=doc_ids)
 
 
 class Engram(nn.Module):
@@ -207,18 +179,8 @@ class Engram(nn.Module):
         (B, T, n_engram_layers, n_cols), sliced here; token_mask (B, T), False = no memory."""
         if hash_ids.dim() == 4:
             hash_ids = hash_ids[:, :, self.engram_index]
-        B, T = hash_ids.shape[:2]
         rows = self.embed(hash_ids).flatten(-2)  # (B, T, n_cols * head_dim)
         kv = self.wkv(rows)  # (B, T, (hc + 1) * dim); a module call, so `dsv41.model.released` can swap it
-        key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
-        key = key.reshape(B, T, self.hc_mult, self.dim).float()  # (B, T, hc, dim)
-        w = (self.q_weight * self.k_weight).float()  # (hc, dim)
-        h = x.float()
-        # each (token, stream) is RMS-normalized over dim on both sides of the dot
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (h * w * key).sum(-1) * rstd * self.dim**-0.5  # (B, T, hc)
-        gate = torch.sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt())
-        if token_mask is not None:
-            gate = torch.where(token_mask[..., None].to(torch.bool), gate, 0.0)
-        out = h + gate[..., None] * value[:, :, None, :].float()  # (B, T, hc, dim)
-        return out.to(x.dtype)
+        if ops.needs_grad(x, kv, self.q_weight, self.k_weight):  # training: autograd through the twin
+            return ref_engram.engram_gate(x, kv, self.q_weight, self.k_weight, self.eps, token_mask)
+        return ops.engram_gate(x, kv, self.q_weight, self.k_weight, self.eps, token_mask)  # one kernel on CUDA

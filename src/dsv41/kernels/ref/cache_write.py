@@ -8,6 +8,9 @@ Row layouts, D channels per token (`CACHE_LAYOUTS`):
   * ``window_fp8``: D E4M3 bytes | D/32 E8M0 bytes (528 B for D = 512);
   * ``kv_fp4``:     D/2 packed E2M1 bytes | D/16 E4M3 bytes (288 B);
   * ``index_fp4``:  D/2 packed E2M1 bytes | D/32 E8M0 bytes (68 B for D = 128).
+
+`ring_write` is the spec of `ops.ring_write`: a prefill chunk's last window rows, already quantized, copied into
+the window ring after the attention has read it.
 """
 
 from __future__ import annotations
@@ -116,3 +119,43 @@ def rope_fake_quant(x: Tensor, cos: Tensor, sin: Tensor, fmt: str) -> Tensor:
     if layout is None or not layout.fp4:
         raise ValueError(f"rope_fake_quant: fmt must be 'kv_fp4' or 'index_fp4', got {fmt!r}")
     return fake_quant_fp4(apply_rope(x, cos, sin), layout.block, "e8m0" if layout.e8m0 else "e4m3")
+
+
+def check_ring_args(chunk: Tensor, positions: Tensor, ring_row: Tensor, valid: Tensor | None, ring_rows: Tensor,
+                    ring_pos: Tensor) -> None:
+    """Validate the arguments of `ring_write`."""
+    if chunk.dim() != 3 or chunk.dtype != torch.uint8:
+        raise ValueError(f"ring_write: chunk must be (B, T, R) uint8, got {tuple(chunk.shape)} {chunk.dtype}")
+    B, T, R = chunk.shape
+    for name, t in (("positions", positions), ("ring_row", ring_row)):
+        if t.shape != (B, T) or t.dtype != torch.int64:
+            raise ValueError(f"ring_write: {name} must be ({B}, {T}) int64, got {tuple(t.shape)} {t.dtype}")
+    if valid is not None and (valid.shape != (B,) or valid.is_floating_point()):
+        raise ValueError(f"ring_write: valid must be ({B},) integers or None, got {tuple(valid.shape)} {valid.dtype}")
+    if ring_rows.dim() != 2 or ring_rows.dtype != torch.uint8 or ring_rows.size(1) != R:
+        raise ValueError(f"ring_write: ring_rows must be (M, {R}) uint8, got "
+                         f"{tuple(ring_rows.shape)} {ring_rows.dtype}")
+    if ring_pos.shape != ring_rows.shape[:1] or ring_pos.dtype != torch.int64:
+        raise ValueError(f"ring_write: ring_pos must be ({ring_rows.size(0)},) int64, got "
+                         f"{tuple(ring_pos.shape)} {ring_pos.dtype}")
+
+
+def ring_write(chunk: Tensor, positions: Tensor, ring_row: Tensor, valid: Tensor | None, ring_rows: Tensor,
+               ring_pos: Tensor, window: int) -> None:
+    """Each row's last w = min(window, T) real keys of a chunk → their ring rows: for j < w,
+    t = max(valid[b] − w + j, 0) (valid None: T), ring_rows[ring_row[b, t]] = chunk[b, t] and
+    ring_pos[ring_row[b, t]] = positions[b, t]. A row of fewer real keys than w writes its first key
+    again (the same bytes to the same row)."""
+    check_ring_args(chunk, positions, ring_row, valid, ring_rows, ring_pos)
+    B, T, R = chunk.shape
+    w = min(window, T)
+    if valid is None:  # every row's last w block positions
+        last_w = slice(T - w, T)
+        keep = ring_row[:, last_w].reshape(-1)  # (B·w,)
+        ring_rows[keep] = chunk[:, last_w].reshape(-1, R)
+        ring_pos[keep] = positions[:, last_w].reshape(-1)
+        return
+    t = (valid.view(B, 1) - w + torch.arange(w, device=chunk.device)).clamp(min=0)  # (B, w)
+    keep = ring_row.gather(1, t).view(-1)  # (B·w,)
+    ring_rows[keep] = chunk.gather(1, t.unsqueeze(-1).expand(-1, -1, R)).view(-1, R)
+    ring_pos[keep] = positions.gather(1, t).view(-1)

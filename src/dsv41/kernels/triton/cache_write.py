@@ -29,6 +29,9 @@ channel, plus cos/sin on the rotated tail). At decode sizes (B = 128, T = 1: ~0.
 launch's latency. At a prefill chunk (8192 tokens, ~15 MB) the ALU work is of the same order as the
 stream: each thread holds 8 channels (one 16-byte load), and RoPE runs on every channel (selected
 per block), so expect 60–80 % of the copy ceiling; kv_fp4 adds a ``div.rn`` per channel.
+
+`ring_write` copies a prefill chunk's last window rows (already quantized) into the window ring: one program per
+(row, BLOCK_J keys), each key's row copied as 4-byte words when the row layouts allow it, masked past R.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dsv41.kernels.ref.cache_write import CACHE_LAYOUTS, check_args
+from dsv41.kernels.ref.cache_write import CACHE_LAYOUTS, check_args, check_ring_args
 from dsv41.kernels.triton.common import e4m3_to_f32, fp4_to_f32, interpreting, jit_sizes, runnable
 
 _X_FP32, _X_BF16, _X_FP16 = 0, 1, 2
@@ -319,3 +322,69 @@ def rope_fake_quant(x: Tensor, cos: Tensor, sin: Tensor, fmt: str) -> Tensor:
     if fmt is None:
         raise ValueError("rope_fake_quant needs a format")
     return _rope_values(x, cos, sin, fmt, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The window ring's write after a prefill chunk (`ops.ring_write`): one launch for the 4 (full rows) to 9 (ragged
+# rows) small torch ops the twin runs per layer.
+
+
+@jit_sizes("T", "M", "n_keys", "sc_b", "sp_b", "sr_b")
+def _ring_write_kernel(
+    chunk_ptr, pos_ptr, row_ptr, valid_ptr, out_ptr, out_pos_ptr,
+    T, M, n_keys,  # block positions per row, ring rows, keys written per row (min(window, T))
+    sc_b, sc_t, sc_r, sp_b, sp_t, sr_b, sr_t, sv, so_m, so_r, sq_m,
+    R: tl.constexpr,  # words per row: bytes, or 4-byte words when both row layouts allow them
+    BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
+    RAGGED: tl.constexpr,  # valid_ptr holds each row's real keys; else every row has T
+):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)  # (BJ,) places in the row's last n_keys
+    if RAGGED:
+        v = tl.load(valid_ptr + b * sv).to(tl.int64)
+    else:
+        v = T
+    ok = j < n_keys
+    t = tl.maximum(v - n_keys + j, 0)  # block position of place j: a short row's first key fills the places before it
+    row = tl.load(row_ptr + b * sr_b + t * sr_t, mask=ok, other=-1)
+    write = ok & (row >= 0) & (row < M)
+    tl.store(out_pos_ptr + row * sq_m, tl.load(pos_ptr + b * sp_b + t * sp_t, mask=write), mask=write)
+    r = tl.arange(0, BLOCK_R)
+    copy = write[:, None] & (r < R)[None, :]  # (BJ, BR)
+    words = tl.load(chunk_ptr + b * sc_b + t[:, None] * sc_t + r[None, :] * sc_r, mask=copy)
+    tl.store(out_ptr + row[:, None] * so_m + r[None, :] * so_r, words, mask=copy)
+
+
+def _words(*rows: Tensor) -> list[Tensor]:
+    """Byte tensors as int32 words when every one allows the view (rows of 4k bytes, 4-byte strides), else bytes."""
+    try:
+        return [t.view(torch.int32) for t in rows]
+    except RuntimeError:
+        return list(rows)
+
+
+def ring_write(chunk: Tensor, positions: Tensor, ring_row: Tensor, valid: Tensor | None, ring_rows: Tensor,
+               ring_pos: Tensor, window: int, *, block_j: int | None = None) -> None:
+    """Triton `ops.ring_write` (same arguments and result as the twin) in one launch, without a host sync;
+    knob: keys per program (power of two). Ring rows outside [0, M) are skipped here (the twin indexes them)."""
+    check_ring_args(chunk, positions, ring_row, valid, ring_rows, ring_pos)
+    if not runnable(chunk):
+        raise ValueError(f"ring_write: Triton needs CUDA tensors or TRITON_INTERPRET=1, got {chunk.device}")
+    B, T, _ = chunk.shape
+    n_keys = min(window, T)
+    if B == 0 or n_keys <= 0:
+        return
+    src, dst = _words(chunk, ring_rows)
+    R = src.size(-1)
+    block_r = triton.next_power_of_2(R)
+    if block_j is None:  # the interpreter pays per program; the GPU holds ~4K words a program
+        block_j = min(triton.next_power_of_2(n_keys), 64 if interpreting() else max(1, 4096 // block_r))
+    if block_j & (block_j - 1):
+        raise ValueError(f"ring_write: block_j must be a power of two, got {block_j}")
+    _ring_write_kernel[(B, triton.cdiv(n_keys, block_j))](
+        src, positions, ring_row, positions if valid is None else valid, dst, ring_pos,
+        T, ring_rows.size(0), n_keys,
+        *src.stride(), *positions.stride(), *ring_row.stride(), 0 if valid is None else valid.stride(0),
+        *dst.stride(), ring_pos.stride(0),
+        R=R, BLOCK_R=block_r, BLOCK_J=block_j, RAGGED=valid is not None, num_warps=4,
+    )
