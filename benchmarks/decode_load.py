@@ -14,7 +14,8 @@ arrive at once and are prefilled in pieces that ride along with the streams' dec
 each step's token budget and layer budget (`Engine(prefill_layers=)`: layer passes per step): the
 gaps while they prefill (p50 / p99 / max) against the unloaded p50, the prompts' time to first token,
 the number of steps, and the largest prefill piece (its time on the device, from CUDA events: what it
-adds to its step) — for each token budget × layers per step given.
+adds to its step), the pieces' host time (`piece_host_ms`) and the engine's host phases per loaded step
+(`host_phase_ms_per_step`: schedule, launch, sample, emit, ...) — for each token budget × layers per step given.
 Writes benchmarks/results/decode_load-<date>.json.
 """
 
@@ -90,6 +91,7 @@ class PieceTimer:
         self.pending: list[tuple] = []
         self.pieces: list[tuple[float, int, int, str]] = []
         self.by_step: dict[int, list[tuple[float, int, int, str]]] = {}
+        self.host_ms: list[float] = []  # each piece's host time (its launches and bookkeeping), in order
         self.step = 0
         self.step_fn = PrefillJob.step
 
@@ -100,13 +102,15 @@ class PieceTimer:
             kind = job.run.kind if job.run is not None else "decoder" if job.decoder_pending else \
                 "exact" if job.exact else "replayed" if job.cursor < job.start0 else "encoder"
             tokens = job.run.hi - job.run.lo if job.run is not None else n or 0
+            t0 = time.perf_counter()
             if timer.cuda:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 out = step(job, n, layers)
                 b.record()
             else:
-                a, out, b = time.perf_counter(), step(job, n, layers), time.perf_counter()
+                a, out, b = t0, step(job, n, layers), time.perf_counter()
+            timer.host_ms.append((time.perf_counter() - t0) * 1e3)
             timer.pending.append((a, b, tokens, layers, kind, timer.step))
             return out
 
@@ -170,6 +174,8 @@ def _measure(engine, args, budget: int, layers: int | None, device: str) -> dict
                for _ in range(args.prompts)]
     t0 = time.perf_counter()
     loaded, first_token, steps = [], {}, []
+    engine.stats.host_s.clear()  # the engine's host phases over the loaded steps only
+    steps_before = engine.stats.steps
     with PieceTimer(device) as timer:
         while any(not p.output for p in prompts):
             timer.step = len(steps)
@@ -185,6 +191,7 @@ def _measure(engine, args, budget: int, layers: int | None, device: str) -> dict
             if len(loaded) > 200000:
                 raise RuntimeError("the prompts never finished prefilling")
     elapsed = time.perf_counter() - t0
+    phases = engine.phase_ms(engine.stats.steps - steps_before)
     sync()
     timer.collect()
     for i, step in enumerate(steps):
@@ -205,6 +212,10 @@ def _measure(engine, args, budget: int, layers: int | None, device: str) -> dict
             "prefill_pieces": len(timer.pieces),
             "piece_ms": {"p50": statistics.median(piece_ms) if piece_ms else 0.0,
                          "p99": pct(piece_ms, 0.99) if piece_ms else 0.0, "max": largest[0]},
+            # the pieces' host time (launches + bookkeeping); piece_ms is the span of their kernels on the device
+            "piece_host_ms": {"p50": statistics.median(timer.host_ms) if timer.host_ms else 0.0,
+                              "p99": pct(timer.host_ms, 0.99) if timer.host_ms else 0.0},
+            "host_phase_ms_per_step": {k: round(v, 3) for k, v in phases.items()},
             "largest_piece": {"ms": largest[0], "tokens": largest[1], "layers": largest[2], "kind": largest[3]},
             "max_layer_passes_per_step": max((sum(k or 0 for _, _, k, _ in s["pieces"]) for s in steps), default=0),
             "slowest_steps": sorted(steps, key=lambda s: -s["ms"])[:5]}

@@ -786,3 +786,78 @@ def test_forwards_of_few_tokens_take_the_dense_dispatch():
             want = moe(x)
         moe.dense_tokens = 32
         assert_close(got, want, rtol=FP32_RTOL, atol=1e-6 * want.abs().max().item(), what=f"{B}x{T}")
+
+
+# ---------------------------------------------------------------------- the dense dispatch with the shared expert fused
+@pytest.mark.parametrize("case", CASES)
+def test_fused_dense_equals_the_per_token_reference_and_keeps_the_state_dict(case):
+    """`MoE.fuse_dense` (the engine's decode steps and small pieces): the shared expert as one more block of the
+    dense dispatch computes the per-token fp64 reference (routed + shared); the parameters become views into the
+    fused matrices, so the state dict is unchanged and an in-place weight update reaches the fused forward."""
+    torch.manual_seed(17)
+    cfg, moe, x, image = _case(case)
+    moe.eval().moe_impl = "dense"
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    assert moe.fuse_dense() and moe._fused_ok()
+    after = moe.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    with torch.no_grad():
+        y = moe(x, image)
+    want, _ = _reference(moe, x, image, cfg)
+    assert_close(y, want, rtol=FP32_RTOL, atol=REF_ATOL * want.abs().max().item(), what="fused dense vs reference")
+    with torch.no_grad():  # an optimizer-style in-place update of one expert and of the shared expert
+        moe.experts.w2[1].mul_(-2.0)
+        moe.shared_experts.w3.weight.add_(0.1)
+        y = moe(x, image)
+    assert moe._fused_ok()
+    want, _ = _reference(moe, x, image, cfg)
+    assert_close(y, want, rtol=FP32_RTOL, atol=REF_ATOL * want.abs().max().item(), what="after an in-place update")
+
+
+def test_fused_dense_launches_half_the_kernels_and_rounds_as_the_sorted_path_in_bf16():
+    """The fused dense forward (one GEMM for every w1 / w3, the SwiGLU, one batched w2, the fp32 sum) runs 5
+    fewer aten ops than the unfused one (two GEMMs per expert stack + the shared expert's three and its add); in
+    bf16 it rounds as the sorted path does (bf16 products, fp32 sum: equal to the loop within one bf16 ulp)."""
+    c = load_config("tiny")
+    torch.manual_seed(0)
+    moe = MoE(c.n_layers - 1, c).eval().to(torch.bfloat16)
+    x = torch.randn(2, 64, c.dim).bfloat16()
+    moe.moe_impl = "dense"
+    with torch.no_grad():
+        with OpCounter() as unfused:
+            want = moe(x)
+        assert moe.fuse_dense()
+        with OpCounter() as fused:
+            got = moe(x)
+        moe.moe_impl = "loop"
+        loop = moe(x)
+    assert fused.kernels <= unfused.kernels - 5, (fused.counts, unfused.counts)
+    for other in (want, loop):
+        ulp = other.float().abs() * 2.0 ** -7
+        assert ((got.float() - other.float()).abs() <= ulp).all()
+
+
+def test_a_conversion_undoes_the_fused_layout_and_the_dense_path_stays_right():
+    """A dtype or device conversion gives the parameters new tensors: the fused matrices are dropped (not read
+    stale) and the unfused dense dispatch computes the same function; the release's module types are not fused."""
+    cfg, moe, x, image = _case("odd N·k")
+    moe.eval().moe_impl = "dense"
+    assert moe.fuse_dense()
+    moe.double()
+    assert moe._fused is None and not moe._fused_ok()
+    with torch.no_grad():
+        y = moe(x.double(), image)
+    want, _ = _reference(moe, x.double(), image, cfg)
+    # the router computes in fp32 whatever the dtype: the fp32 tolerances
+    assert_close(y, want, rtol=FP32_RTOL, atol=REF_ATOL * want.abs().max().item(), what="fp64 after the conversion")
+    moe.float()
+    assert moe.fuse_dense()
+    with torch.no_grad():  # a reassigned `.data` (then changed) is seen: the fused matrices are not read stale
+        moe.experts.w1.data = moe.experts.w1.data.clone()
+        moe.experts.w1.mul_(0.5)
+        y = moe(x, image)
+    want, _ = _reference(moe, x, image, cfg)
+    assert_close(y, want, rtol=FP32_RTOL, atol=REF_ATOL * want.abs().max().item(), what="after a new .data")
+    fresh = MoE(0, cfg)
+    fresh.experts.w1 = torch.nn.Parameter(fresh.experts.w1.data.half())  # mixed dtypes: left as it is
+    assert not fresh.fuse_dense() and fresh._fused is None

@@ -148,6 +148,20 @@ def cast_for_engine(model: Transformer, dtype: torch.dtype) -> Transformer:
     return model
 
 
+DENSE_EXTRA_FLOPS = 4e9  # the most FLOPs the dense MoE dispatch may add over the routed ones (`dense_piece_tokens`)
+
+
+def dense_piece_tokens(moe) -> int:
+    """The most tokens a forward may have for the dense MoE dispatch (every expert on every token, the shared one
+    fused in: `MoE.fuse_dense`) to cost less than the grouped one in a CUDA graph: its E − k extra experts per
+    token add 6·dim·inter FLOPs each, and up to DENSE_EXTRA_FLOPS (~6 µs of bf16 matmul on an H100 / H200) cost
+    less than the ~12 kernels of the grouped dispatch it saves (sort, counts, gathers, three grouped products,
+    the scatter back, the shared expert's four). `small` (E = 8, k = 2, dim 384, inter 256): 1,130 tokens — the
+    decoder replay and the pieces beside decoding streams; at the release's widths (E = 256): none."""
+    dim, inter = moe.experts.dim, moe.experts.inter_dim
+    return int(DENSE_EXTRA_FLOPS // ((moe.n_routed - moe.topk) * 6 * dim * inter)) if moe.n_routed > moe.topk else 0
+
+
 def _keep_fp32_weights_in_fp32(model: Transformer) -> None:
     """`fp32_weights` are stored in fp32 — the same values, one cast per call fewer (a decode step launches
     ~40 kernels less)."""
@@ -222,11 +236,14 @@ class Engine:
         self.io = DecodeIO(c, self.pools, max_batch, capture_layers=wanted,
                            capture_at=getattr(drafter, "features_at", "output"), feature_ring=self.feature_ring)
         self.graphs = DecodeGraphs(self.runner, self.io, min_entries=graph_min_entries) if use_graphs else None
-        if use_graphs:  # decode-sized forwards: every expert on every token when experts are few (fewer kernels)
+        _keep_fp32_weights_in_fp32(model)
+        if use_graphs:  # decode-sized forwards and small prefill pieces: every expert on every token (fewer kernels)
             for moe in model.moe_layers():
                 if moe.n_routed <= 4 * moe.topk:
                     moe.dense_tokens = max(moe.dense_tokens, max_batch * (drafter.k + 1 if drafter else 1))
-        _keep_fp32_weights_in_fp32(model)
+                moe.dense_tokens = max(moe.dense_tokens, dense_piece_tokens(moe))
+                if moe.dense_tokens:
+                    moe.fuse_dense()
         # before the start-up profile below: its static steps are timed by phase too
         self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
         self.step_time = step_time

@@ -335,8 +335,9 @@ class MoE(nn.Module):
     bf16 in torch 2.13, CUDA bf16 — and, under torch.compile, only where its meta kernel traces: bf16; else
     the loop), "loop", "grouped" or "dense" (every expert on every token, `GroupedExperts.dense`). A forward
     captured into a CUDA graph takes "dense" where the grouped dispatch cannot be captured (`_dense_while_capturing`),
-    and a forward of at most `dense_tokens` tokens takes it whatever `moe_impl` says (the engine's decode steps:
-    fewer kernels than a sort and three grouped products at a few rows; prefill chunks keep the routed FLOPs).
+    and a forward of at most `dense_tokens` tokens takes it whatever `moe_impl` says (the engine's decode steps and
+    small prefill pieces: fewer kernels than a sort and three grouped products at a few rows, `fuse_dense` folds
+    the shared expert in; big prefill chunks keep the routed FLOPs).
     """
 
     def __init__(self, layer_id: int, config: ModelConfig, moe_impl: MoEImpl = "auto") -> None:
@@ -346,6 +347,7 @@ class MoE(nn.Module):
         self.bias_update_speed = config.bias_update_speed
         self.moe_impl: MoEImpl = moe_impl
         self.dense_tokens = 0  # forwards of at most this many tokens take the dense dispatch (0: none)
+        self._fused: tuple[Tensor, Tensor] | None = None  # (w13, w2) of `fuse_dense`, which the parameters view
         self.gate = Gate(layer_id, config)
         self.experts = GroupedExperts(self.n_routed, config.dim, config.moe_inter_dim, config.swiglu_limit)
         self.shared_experts = Expert(config.dim, config.moe_inter_dim, config.swiglu_limit)
@@ -376,7 +378,8 @@ class MoE(nn.Module):
             y = torch.add(self.expert_dispatch(self, flat, weights, indices), self.shared_experts(flat))  # fp32
             return self._finish(y, x, scores, indices, img, token_mask)
         if dense:  # route: (N, E) weight of each chosen expert
-            y = torch.add(self.experts.dense(flat, route), self.shared_experts(flat))  # fp32 + the compute dtype
+            y = self._dense_fused(flat, route) if self._fused_ok() else \
+                torch.add(self.experts.dense(flat, route), self.shared_experts(flat))  # fp32 + the compute dtype
             return self._finish(y, x, scores, indices, img, token_mask)
 
         # Sort the N·k (token, slot) pairs by expert: each expert's rows become one contiguous segment.
@@ -393,6 +396,61 @@ class MoE(nn.Module):
         y = out.view(B * T, k, dim).sum(dim=1, dtype=torch.float32)  # (N, dim) fp32
         y = torch.add(y, self.shared_experts(flat))  # fp32: the promotion casts in the add (one kernel, no copy)
         return self._finish(y, x, scores, indices, img, token_mask)
+
+    # ------------------------------------------------------------------ the dense dispatch, shared expert fused
+    @torch.no_grad()
+    def fuse_dense(self) -> bool:
+        """Lay the weights out so that the dense dispatch runs the shared expert as one more expert block (route
+        weight 1): the w1 and w3 rows of every routed expert and of the shared expert become one (2·(E+1)·inter,
+        dim) matrix and the w2 matrices one (E+1, dim, inter) stack, and the parameters become views into them
+        (no copy kept, the state dict unchanged, in-place updates seen by both). A dense forward is then one
+        GEMM, a SwiGLU, one batched GEMM and a sum — 5 kernels instead of 10 (the engine's decode steps and
+        small prefill pieces; `Engine` calls it where it sets `dense_tokens`). Same function and rounding steps
+        as the unfused dense path (each expert's product rounded to the compute dtype, fp32 sum) up to the fp32
+        sum's order. Only plain weights of one dtype (not the release's FP8 / MXFP4 modules); False otherwise."""
+        ex, sh = self.experts, self.shared_experts
+        if not isinstance(ex, GroupedExperts) or not isinstance(sh, Expert) or ex.inter_dim != sh.w1.out_features \
+                or ex.swiglu_limit != sh.swiglu_limit:
+            return False
+        mats = (ex.w1, ex.w2, ex.w3, sh.w1.weight, sh.w2.weight, sh.w3.weight)
+        if len({(m.dtype, m.device) for m in mats}) != 1 or any(type(m) is not nn.Parameter for m in mats):
+            return False
+        E, inter = ex.n_experts, ex.inter_dim
+        w13 = torch.cat([ex.w1.reshape(E * inter, -1), sh.w1.weight, ex.w3.reshape(E * inter, -1), sh.w3.weight])
+        w2 = torch.cat([ex.w2, sh.w2.weight.unsqueeze(0)])  # (E+1, dim, inter)
+        cut = (E + 1) * inter
+        ex.w1.data = w13[:E * inter].view(E, inter, -1)
+        sh.w1.weight.data = w13[E * inter:cut]
+        ex.w3.data = w13[cut:cut + E * inter].view(E, inter, -1)
+        sh.w3.weight.data = w13[cut + E * inter:]
+        ex.w2.data, sh.w2.weight.data = w2[:E], w2[E]
+        self._fused = (w13, w2)
+        return True
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self._fused is not None and not self._fused_ok():  # a conversion gave the parameters new tensors
+            self._fused = None
+        return self
+
+    def _fused_ok(self) -> bool:
+        """The fused layout is still what the parameters view (a cast or a reassigned `.data` undoes it)."""
+        fused = self._fused
+        return fused is not None and self.experts.w1.data_ptr() == fused[0].data_ptr() \
+            and self.shared_experts.w2.weight.data_ptr() == fused[1][-1].data_ptr() \
+            and self.experts.w1.dtype == fused[0].dtype
+
+    def _dense_fused(self, flat: Tensor, route: Tensor) -> Tensor:
+        """`experts.dense(flat, route) + shared_experts(flat)` from the fused layout (`fuse_dense`): (N, dim) fp32."""
+        w13, w2 = self._fused
+        N, inter = flat.size(0), self.experts.inter_dim
+        E1 = w2.size(0)
+        dtype = _compute_dtype(flat)
+        gu = F.linear(flat.to(dtype), w13.to(dtype))  # (N, 2·(E+1)·inter): every expert's w1 and w3, the shared too
+        weight = F.pad(route, (0, 1), value=1.0)  # (N, E+1): the shared expert's block × 1 (exact)
+        h = ops.swiglu(gu[:, :E1 * inter], gu[:, E1 * inter:], self.experts.swiglu_limit, weight, dtype)
+        out = torch.bmm(h.view(N, E1, inter).transpose(0, 1), w2.to(dtype).transpose(1, 2))  # (E+1, N, dim)
+        return out.sum(dim=0, dtype=torch.float32)  # as `GroupedExperts.dense`: fp32 over the bf16 products
 
     def _finish(self, y: Tensor, x: Tensor, scores: Tensor, indices: Tensor, img: Tensor | None,
                 token_mask: Tensor | None) -> Tensor:
