@@ -19,6 +19,9 @@ from dsv41.plan import engram_table_rows
 # fp32 gate against the bound 1e-6 + 1e-5·|out| (|out| up to ~12 here): kernel vs twin measured max abs error 9.5e-7,
 # worst ratio 0.22 (reduction order, rsqrt); twin vs the fp64 formula 4.8e-7, worst ratio 0.06
 GATE_ATOL = 1e-6
+# on the GPU, v41-flash's dim 5120: measured 3.8e-6 (H100, 2026-12-06) — 5120-term fp32 sums in another order and
+# the GPU's sqrt / exp; about 2.6x that
+GPU_GATE_ATOL = 1e-5
 
 
 def _config(preset: str = "tiny", layers: list[int] | None = None) -> dsv41.ModelConfig:
@@ -238,10 +241,10 @@ def test_gpu_gate_equals_twin(N):
             twin = ops.engram_gate(x, kv, qw, kw, 1e-20, mask)
         got = ops.engram_gate(x, kv, qw, kw, 1e-20, mask)
         if dtype == torch.float32:
-            assert_close(got, twin, rtol=FP32_RTOL, atol=GATE_ATOL, what=f"N={N}")
+            assert_close(got, twin, rtol=FP32_RTOL, atol=GPU_GATE_ATOL, what=f"N={N}")
         else:
             diff = (got.float() - twin.float()).abs()
-            assert (diff <= twin.float().abs() * 2**-7 + GATE_ATOL).all(), diff.max()
+            assert (diff <= twin.float().abs() * 2**-7 + GPU_GATE_ATOL).all(), diff.max()
 
 
 @pytest.mark.gpu

@@ -162,6 +162,19 @@ def dense_piece_tokens(moe) -> int:
     return int(DENSE_EXTRA_FLOPS // ((moe.n_routed - moe.topk) * 6 * dim * inter)) if moe.n_routed > moe.topk else 0
 
 
+def dense_moe_for_graphs(model: Transformer, decode_rows: int) -> None:
+    """What an engine with CUDA graphs sets on its model's MoE layers: the dense dispatch for decode steps of up to
+    `decode_rows` tokens where experts are few (E ≤ 4k) and for forwards of up to `dense_piece_tokens`, with the
+    shared expert fused in (`MoE.fuse_dense`). Benchmarks that run the engine's pieces without an `Engine`
+    (peer_decode's `StaticPrefill`) call it too."""
+    for moe in model.moe_layers():
+        if moe.n_routed <= 4 * moe.topk:
+            moe.dense_tokens = max(moe.dense_tokens, decode_rows)
+        moe.dense_tokens = max(moe.dense_tokens, dense_piece_tokens(moe))
+        if moe.dense_tokens:
+            moe.fuse_dense()
+
+
 def _keep_fp32_weights_in_fp32(model: Transformer) -> None:
     """`fp32_weights` are stored in fp32 — the same values, one cast per call fewer (a decode step launches
     ~40 kernels less)."""
@@ -238,12 +251,7 @@ class Engine:
         self.graphs = DecodeGraphs(self.runner, self.io, min_entries=graph_min_entries) if use_graphs else None
         _keep_fp32_weights_in_fp32(model)
         if use_graphs:  # decode-sized forwards and small prefill pieces: every expert on every token (fewer kernels)
-            for moe in model.moe_layers():
-                if moe.n_routed <= 4 * moe.topk:
-                    moe.dense_tokens = max(moe.dense_tokens, max_batch * (drafter.k + 1 if drafter else 1))
-                moe.dense_tokens = max(moe.dense_tokens, dense_piece_tokens(moe))
-                if moe.dense_tokens:
-                    moe.fuse_dense()
+            dense_moe_for_graphs(model, max_batch * (drafter.k + 1 if drafter else 1))
         # before the start-up profile below: its static steps are timed by phase too
         self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
         self.step_time = step_time
