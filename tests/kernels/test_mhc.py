@@ -518,3 +518,28 @@ def test_gpu_mhc_mixes_and_split_v41_flash(B, T):
     scaled_close(mixes, e_mixes, 2e-4, "mixes")
     for got, exp, what in zip(split, twin.mhc_split(mixes, scale, base, N, 20, EPS), ("pre", "post", "comb")):
         assert_close(got, exp, rtol=FP32_RTOL, atol=FP32_RTOL, what=what)
+
+
+def test_fn_planes_are_split_once_per_unchanged_weight(monkeypatch):
+    """Serving splits each mHC weight once: a second pass over the same unchanged hc_fn reuses its planes (no
+    split launch); an in-place update, a weight that needs a gradient, or another tensor splits again — and the
+    planes used always equal a fresh split of the weight as it is now."""
+    from dsv41.kernels.triton import mhc as triton_mhc
+
+    calls = []
+    split = triton_mhc._split_fn
+    monkeypatch.setattr(triton_mhc, "_split_fn", lambda *a: calls.append(a) or split(*a))
+    fn = torch.randn(K, N * 40, generator=torch.Generator().manual_seed(3)) * 0.01
+    with torch.no_grad():
+        a = triton_mhc._fn_planes(fn, 40, 64, 32)
+        b = triton_mhc._fn_planes(fn, 40, 64, 32)
+        assert b is a and len(calls) == 1
+        fn.mul_(2.0)  # an in-place update (an optimizer step): the version moves
+        c = triton_mhc._fn_planes(fn, 40, 64, 32)
+        assert len(calls) == 2 and torch.equal(c, split(fn, 40, 64, 32))
+        other = fn.clone()
+        assert torch.equal(triton_mhc._fn_planes(other, 40, 64, 32), c) and len(calls) == 3
+    trained = fn.clone().requires_grad_()
+    triton_mhc._fn_planes(trained, 40, 64, 32)
+    triton_mhc._fn_planes(trained, 40, 64, 32)
+    assert len(calls) == 5  # with gradients: every call

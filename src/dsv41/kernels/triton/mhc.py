@@ -79,6 +79,7 @@ uses the hardware conversion, which rounds the same way.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import triton
@@ -641,6 +642,28 @@ def _split_fn(hc_fn: Tensor, d: int, d_pad: int, cols: int) -> Tensor:
     return w
 
 
+_PLANES: dict[tuple, tuple[weakref.ref, int, Tensor]] = {}  # (id, address, d, d_pad, cols) → (weight, version, planes)
+_PLANES_MAX = 512  # entries before the cache starts afresh (weights made per call would otherwise pile up)
+
+
+def _fn_planes(hc_fn: Tensor, d: int, d_pad: int, cols: int) -> Tensor:
+    """`_split_fn`, once per weight: the planes of an hc_fn that has not changed since its last split are reused
+    (serving splits each mHC weight on its first pass instead of every pass: one launch less per pass). A weight
+    that needs a gradient is split on every call; an in-place update (its version moves) or another tensor at the
+    same address (the weak reference differs) splits again."""
+    if hc_fn.requires_grad and torch.is_grad_enabled():
+        return _split_fn(hc_fn, d, d_pad, cols)
+    key = (id(hc_fn), hc_fn.data_ptr(), d, d_pad, cols)
+    hit = _PLANES.get(key)
+    if hit is not None and hit[0]() is hc_fn and hit[1] == hc_fn._version:
+        return hit[2]
+    if len(_PLANES) >= _PLANES_MAX:
+        _PLANES.clear()
+    planes = _split_fn(hc_fn, d, d_pad, cols)
+    _PLANES[key] = (weakref.ref(hc_fn), hc_fn._version, planes)
+    return planes
+
+
 TMA_DEFAULT = True  # `tma=None`: the fused pass loads bf16 h / f through tensor descriptors where `_tma_ready`
 
 
@@ -741,7 +764,7 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
         if tma:
             h_desc = TensorDescriptor.from_tensor(h2, [bt, 1, bd])
             f_desc = TensorDescriptor.from_tensor(f2, [bt, bd]) if post_pass else h_desc
-        w = _split_fn(fn, d, split * n_it * bd, fn_cols) if hc_fn is not None else h2
+        w = _fn_planes(fn, d, split * n_it * bd, fn_cols) if hc_fn is not None else h2
         _mhc_fused_kernel[grid](
             h2, f2, post2, comb2, pre2, w, *outs, h_desc, f_desc, M, d, float(norm_eps), h2.stride(0), h2.stride(1),
             f2.stride(0), w.stride(0), N_IT=n_it, PREFETCH=bool(prefetch) and not tma, CAT=int(cat), TMA=tma,
