@@ -241,3 +241,40 @@ def test_warm_up_prefills_a_prompt_of_two_chunks_beside_a_decoding_request(layer
         assert len(mixed) >= 2  # the arriving prompt's chunks (16 + 16 + 1 tokens) beside the decoding one
         if layers == 1:  # one layer a step: the encoder's layers one piece each
             assert len(mixed) >= 2 * model.config.encoder_layers
+
+
+def test_decode_with_the_fused_dense_moe_equals_the_unfused_full_forward():
+    """What an engine with CUDA graphs sets on its model (`dense_moe_for_graphs`: the dense MoE dispatch for decode
+    steps and small pieces, the shared expert fused into it) keeps prefill + batched cached decode equal to the
+    full forward of an untouched copy of the model (the routed dispatch, shared expert apart) — on the CPU, where
+    an engine never sets it itself."""
+    import copy
+
+    from dsv41.engine.engine import dense_moe_for_graphs
+
+    torch.manual_seed(7)
+    model = engine_test_model(7)
+    reference = copy.deepcopy(model)
+    dense_moe_for_graphs(model, 3)
+    moe = model.moe_layers()[0]
+    assert moe.dense_tokens > 100 and moe._fused_ok()  # tiny: every forward of these prompts runs dense
+    runner = Runner(model)
+    lengths = [9, 60]
+    pools = private_pools(model.config, max_slots=2)
+    seqs, refs, toks = [], [], []
+    for n in lengths:
+        t = torch.randint(3, model.config.vocab_size, (1, n + 12))
+        with torch.no_grad():
+            refs.append(reference(t)[0])
+        seq = SequenceCache(model.config, pools=pools)
+        prefill(runner, seq, t[0, :n].tolist(), chunk=32, exact=True)
+        seqs.append(seq)
+        toks.append(t)
+    for k in range(12):
+        batch = torch.stack([t[0, n + k] for t, n in zip(toks, lengths)]).view(-1, 1)
+        h, pre_mix = runner.forward(seqs, batch, torch.tensor([n + k for n in lengths]), range(model.config.n_layers))
+        for s, tok in zip(seqs, batch[:, 0].tolist()):
+            s.tokens.append(tok)
+        logits = runner.logits(h, pre_mix)
+        for b, n in enumerate(lengths):
+            assert rel_err(logits[b], refs[b][n + k]) <= 1e-4, f"seq {b} step {k}"
