@@ -40,22 +40,21 @@ def test_exact_prefill_and_20_decode_steps_equal_full_forward(prompt_len):
         assert rel_err(runner.logits(h, pre_mix)[0], reference[t]) <= 1e-4, f"decode step {k}"
 
 
-def test_batched_decode_of_three_lengths_equals_full_forward():
-    torch.manual_seed(3)
-    model = engine_test_model(3)
+def _batched_decode_equals_full_forward(model, reference, lengths: list[int], steps: int) -> None:
+    """Exact prefill of each prompt, then `steps` batched cached decode steps of them all: every step's logits equal
+    `reference`'s full forward of the whole sequence at that position (relative 1e-4)."""
     runner = Runner(model)
-    lengths = [7, 40, 101]
     seqs, refs, toks = [], [], []
-    pools = private_pools(model.config, max_slots=3)  # one batch reads every sequence's pages through one pool
+    pools = private_pools(model.config, max_slots=len(lengths))  # one batch reads every sequence's pages
     for n in lengths:
-        t = torch.randint(3, model.config.vocab_size, (1, n + 20))
+        t = torch.randint(3, model.config.vocab_size, (1, n + steps))
         with torch.no_grad():
-            refs.append(model(t)[0])
+            refs.append(reference(t)[0])
         seq = SequenceCache(model.config, pools=pools)
         prefill(runner, seq, t[0, :n].tolist(), chunk=32, exact=True)
         seqs.append(seq)
         toks.append(t)
-    for k in range(20):
+    for k in range(steps):
         batch = torch.stack([t[0, n + k] for t, n in zip(toks, lengths)]).view(-1, 1)
         start = torch.tensor([n + k for n in lengths])
         h, pre_mix = runner.forward(seqs, batch, start, range(model.config.n_layers))
@@ -64,6 +63,12 @@ def test_batched_decode_of_three_lengths_equals_full_forward():
         logits = runner.logits(h, pre_mix)
         for b, n in enumerate(lengths):
             assert rel_err(logits[b], refs[b][n + k]) <= 1e-4, f"seq {b} step {k}"
+
+
+def test_batched_decode_of_three_lengths_equals_full_forward():
+    torch.manual_seed(3)
+    model = engine_test_model(3)
+    _batched_decode_equals_full_forward(model, model, [7, 40, 101], 20)
 
 
 def test_encoder_only_prefill_equals_exact_when_prompt_fits_the_window():
@@ -258,23 +263,4 @@ def test_decode_with_the_fused_dense_moe_equals_the_unfused_full_forward():
     dense_moe_for_graphs(model, 3)
     moe = model.moe_layers()[0]
     assert moe.dense_tokens > 100 and moe._fused_ok()  # tiny: every forward of these prompts runs dense
-    runner = Runner(model)
-    lengths = [9, 60]
-    pools = private_pools(model.config, max_slots=2)
-    seqs, refs, toks = [], [], []
-    for n in lengths:
-        t = torch.randint(3, model.config.vocab_size, (1, n + 12))
-        with torch.no_grad():
-            refs.append(reference(t)[0])
-        seq = SequenceCache(model.config, pools=pools)
-        prefill(runner, seq, t[0, :n].tolist(), chunk=32, exact=True)
-        seqs.append(seq)
-        toks.append(t)
-    for k in range(12):
-        batch = torch.stack([t[0, n + k] for t, n in zip(toks, lengths)]).view(-1, 1)
-        h, pre_mix = runner.forward(seqs, batch, torch.tensor([n + k for n in lengths]), range(model.config.n_layers))
-        for s, tok in zip(seqs, batch[:, 0].tolist()):
-            s.tokens.append(tok)
-        logits = runner.logits(h, pre_mix)
-        for b, n in enumerate(lengths):
-            assert rel_err(logits[b], refs[b][n + k]) <= 1e-4, f"seq {b} step {k}"
+    _batched_decode_equals_full_forward(model, reference, [9, 60], 12)
