@@ -144,14 +144,17 @@ def make_copy(root: Path, settings: Settings) -> Path:
     return tmp
 
 
-def run_pytest(repo: Path, nodes: list[str], settings: Settings) -> tuple[int | None, str]:
-    """(pytest exit code or None on timeout, combined output) for `nodes` in `repo`."""
+def run_pytest(repo: Path, nodes: list[str], settings: Settings, timeout: float | None = None
+               ) -> tuple[int | None, str]:
+    """(pytest exit code or None on timeout, combined output) for `nodes` in `repo`; timeout: seconds (default the
+    settings' per-mutant timeout)."""
     env = {**os.environ, "PYTHONPATH": str(repo / "src"), "PYTHONDONTWRITEBYTECODE": "1",
            "OMP_NUM_THREADS": "1", "DSV41_TEST_THREADS": "1", **settings.env}
     plugins = [arg for name in settings.plugins for arg in ("-p", name)]
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *plugins, *nodes]
     try:
-        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=settings.timeout)
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=timeout or settings.timeout)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return None, out
@@ -195,6 +198,15 @@ def run_mutant(root: Path, m: Mutant, settings: Settings, keep: bool) -> Result:
     return Result(m.name, "error", seconds, f"pytest exit {rc} without a failing test (node ids?)", out)
 
 
+BASELINE_NODES_PER_TIMEOUT = 50  # the baseline runs every named node in one pytest: one timeout per this many
+
+
+def baseline_timeout(settings: Settings, n_nodes: int) -> float:
+    """The baseline's timeout: the per-mutant timeout for each BASELINE_NODES_PER_TIMEOUT nodes it runs (one
+    mutant's timeout for all of them made the 228-mutant run's baseline time out beside the mutants' workers)."""
+    return settings.timeout * max(1, -(-n_nodes // BASELINE_NODES_PER_TIMEOUT))
+
+
 def run_baseline(root: Path, mutants: list[Mutant], settings: Settings) -> Result:
     """Every named node must pass on an unmodified copy, importing the copy's own sources."""
     start = time.perf_counter()
@@ -208,7 +220,7 @@ def run_baseline(root: Path, mutants: list[Mutant], settings: Settings) -> Resul
                                    cwd=repo, env={**os.environ, "PYTHONPATH": str(src)}, capture_output=True, text=True)
             if probe.returncode == 0 and not Path(probe.stdout).resolve().is_relative_to(repo.resolve()):
                 return Result("baseline", "error", 0.0, f"the copy imports {name} from {probe.stdout}, not from itself")
-        rc, out = run_pytest(repo, nodes, settings)
+        rc, out = run_pytest(repo, nodes, settings, baseline_timeout(settings, len(nodes)))
     finally:
         shutil.rmtree(repo, ignore_errors=True)
     seconds = time.perf_counter() - start

@@ -146,3 +146,16 @@ def test_the_project_list_applies_and_names_semantic_tests():
     n = int(listing.strip().splitlines()[-1].split()[0])
     assert n >= 30, listing[-200:]
     assert textwrap.dedent("test_golden_tiny_loss_curve") not in listing
+
+
+def test_the_baseline_gets_one_timeout_per_fifty_nodes():
+    """The baseline runs every named node in one pytest, so its timeout grows with them: one per-mutant timeout for
+    up to 50 nodes, then one more for each 50 (a single timeout for the 160 nodes of the project's list made its
+    baseline time out beside the mutants' workers)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import mutants
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    settings = mutants.Settings(copy=["src"], timeout=300)
+    assert [mutants.baseline_timeout(settings, n) for n in (1, 50, 51, 160)] == [300, 300, 600, 1200]
