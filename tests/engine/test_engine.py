@@ -264,3 +264,19 @@ def test_decode_with_the_fused_dense_moe_equals_the_unfused_full_forward():
     moe = model.moe_layers()[0]
     assert moe.dense_tokens > 100 and moe._fused_ok()  # tiny: every forward of these prompts runs dense
     _batched_decode_equals_full_forward(model, reference, [9, 60], 12)
+
+
+def test_dense_piece_tokens_is_the_flop_budget_over_the_extra_experts():
+    """`dense_piece_tokens`: DENSE_EXTRA_FLOPS over (E − k) · 6 · dim · inter — by hand, `small` (E 8, k 2, dim
+    384, inter 256): 4e9 // 3,538,944 = 1,130 tokens; the release's widths: none; no extra experts: none."""
+    from dsv41.engine.engine import DENSE_EXTRA_FLOPS, dense_piece_tokens
+    from dsv41.model.moe import MoE
+
+    assert DENSE_EXTRA_FLOPS == 4e9
+    small = load_config("small")
+    assert dense_piece_tokens(MoE(small.n_layers - 1, small)) == 1130
+    with torch.device("meta"):
+        flash = load_config("v41-flash")
+        assert dense_piece_tokens(MoE(flash.n_layers - 1, flash)) == 0
+        every = small.replace(n_activated_experts=small.n_routed_experts)
+        assert dense_piece_tokens(MoE(every.n_layers - 1, every)) == 0

@@ -857,6 +857,13 @@ def test_a_conversion_undoes_the_fused_layout_and_the_dense_path_stays_right():
         moe.experts.w1.mul_(0.5)
         y = moe(x, image)
     want, _ = _reference(moe, x, image, cfg)
+    assert_close(y, want, rtol=FP32_RTOL, atol=REF_ATOL * want.abs().max().item(), what="after a new w1 .data")
+    assert moe.fuse_dense()
+    with torch.no_grad():  # any of the six: the shared expert's w3 here
+        moe.shared_experts.w3.weight.data = moe.shared_experts.w3.weight.data.clone()
+        moe.shared_experts.w3.weight.mul_(-1.0)
+        y = moe(x, image)
+    want, _ = _reference(moe, x, image, cfg)
     assert_close(y, want, rtol=FP32_RTOL, atol=REF_ATOL * want.abs().max().item(), what="after a new .data")
     fresh = MoE(0, cfg)
     fresh.experts.w1 = torch.nn.Parameter(fresh.experts.w1.data.half())  # mixed dtypes: left as it is

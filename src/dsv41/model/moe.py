@@ -347,7 +347,7 @@ class MoE(nn.Module):
         self.bias_update_speed = config.bias_update_speed
         self.moe_impl: MoEImpl = moe_impl
         self.dense_tokens = 0  # forwards of at most this many tokens take the dense dispatch (0: none)
-        self._fused: tuple[Tensor, Tensor] | None = None  # (w13, w2) of `fuse_dense`, which the parameters view
+        self._fused: tuple[Tensor, Tensor, tuple[int, ...]] | None = None  # `fuse_dense`: w13, w2, the views' addresses
         self.gate = Gate(layer_id, config)
         self.experts = GroupedExperts(self.n_routed, config.dim, config.moe_inter_dim, config.swiglu_limit)
         self.shared_experts = Expert(config.dim, config.moe_inter_dim, config.swiglu_limit)
@@ -412,7 +412,7 @@ class MoE(nn.Module):
         if not isinstance(ex, GroupedExperts) or not isinstance(sh, Expert) or ex.inter_dim != sh.w1.out_features \
                 or ex.swiglu_limit != sh.swiglu_limit:
             return False
-        mats = (ex.w1, ex.w2, ex.w3, sh.w1.weight, sh.w2.weight, sh.w3.weight)
+        mats = self._dense_weights()
         if len({(m.dtype, m.device) for m in mats}) != 1 or any(type(m) is not nn.Parameter for m in mats):
             return False
         E, inter = ex.n_experts, ex.inter_dim
@@ -424,8 +424,15 @@ class MoE(nn.Module):
         ex.w3.data = w13[cut:cut + E * inter].view(E, inter, -1)
         sh.w3.weight.data = w13[cut + E * inter:]
         ex.w2.data, sh.w2.weight.data = w2[:E], w2[E]
-        self._fused = (w13, w2)
+        self._fused = (w13, w2, self._weight_addresses())
         return True
+
+    def _dense_weights(self) -> tuple[Tensor, ...]:
+        ex, sh = self.experts, self.shared_experts
+        return ex.w1, ex.w2, ex.w3, sh.w1.weight, sh.w2.weight, sh.w3.weight
+
+    def _weight_addresses(self) -> tuple[int, ...]:
+        return tuple(w.data_ptr() for w in self._dense_weights())
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -434,15 +441,13 @@ class MoE(nn.Module):
         return self
 
     def _fused_ok(self) -> bool:
-        """The fused layout is still what the parameters view (a cast or a reassigned `.data` undoes it)."""
+        """The fused layout is still what all six parameters view (a cast or a reassigned `.data` undoes it)."""
         fused = self._fused
-        return fused is not None and self.experts.w1.data_ptr() == fused[0].data_ptr() \
-            and self.shared_experts.w2.weight.data_ptr() == fused[1][-1].data_ptr() \
-            and self.experts.w1.dtype == fused[0].dtype
+        return fused is not None and self._weight_addresses() == fused[2]
 
     def _dense_fused(self, flat: Tensor, route: Tensor) -> Tensor:
         """`experts.dense(flat, route) + shared_experts(flat)` from the fused layout (`fuse_dense`): (N, dim) fp32."""
-        w13, w2 = self._fused
+        w13, w2, _ = self._fused
         N, inter = flat.size(0), self.experts.inter_dim
         E1 = w2.size(0)
         dtype = _compute_dtype(flat)
