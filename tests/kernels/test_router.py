@@ -69,6 +69,27 @@ def test_kernel_equals_twin_equals_formula(func, E, k, norm):
         assert torch.allclose(kw.sum(-1).double(), torch.full((21,), scale, dtype=torch.float64), rtol=1e-6)
 
 
+@pytest.mark.parametrize("ones", [1, 3])
+def test_dense_ones_append_columns_of_one_to_the_routing_matrix(ones):
+    """`dense_ones` (the fused shared expert's block, `MoE.fuse_dense`): the routing matrix of the formula, then
+    `ones` columns of exactly 1; the rest of the outputs as without them."""
+    E, k = 8, 2
+    logits, bias = _inputs(19, E, per_row=False, seed=7)
+    fs, fi, fw = formula(logits, bias, 1.0, "sqrtsoftplus", k, True, 1.5)
+    want = torch.cat((torch.zeros(19, E, dtype=torch.float64).scatter_(1, fi, fw),
+                      torch.ones(19, ones, dtype=torch.float64)), dim=1)
+    for backend in ("torch", "triton"):
+        with use_backend(backend):
+            plain = ops.moe_route(logits, bias, 1.0, "sqrtsoftplus", k, True, 1.5, dense=True)
+            w, i, s, r = ops.moe_route(logits, bias, 1.0, "sqrtsoftplus", k, True, 1.5, dense=True, dense_ones=ones)
+        assert r.shape == (19, E + ones), backend
+        torch.testing.assert_close(r.double(), want, rtol=1e-6, atol=1e-7)
+        assert torch.equal(r[:, E:], torch.ones(19, ones)) and torch.equal(r[:, :E], plain[3]), backend
+        assert all(torch.equal(a, b) for a, b in zip((w, i, s), plain[:3])), backend
+        with pytest.raises(ValueError, match="dense_ones"):
+            ops.moe_route(logits, bias, 1.0, "sqrtsoftplus", k, True, 1.5, dense=True, dense_ones=-1)
+
+
 def test_the_bias_steers_the_choice_not_the_weight():
     """A bias that flips the order changes the experts, and their weights stay their unbiased scores."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
@@ -146,3 +167,5 @@ def test_gpu_kernel_equals_twin(N, E, k):
     assert torch.equal(got[1], want[1])
     for a, b in zip(got[:1] + got[2:], want[:1] + want[2:]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    ones = ops.moe_route(logits, bias, 1.0, "sqrtsoftplus", k, True, 1.5, dense=True, dense_ones=1)[3]
+    assert torch.equal(ones[:, :E], got[3]) and torch.equal(ones[:, E], torch.ones(N, device="cuda"))

@@ -97,6 +97,15 @@ class StepRecord:
     capture: Capture | None = None  # hidden states / projections to hand back (host-driven only)
     valid: Tensor | None = None  # (B,) ragged static rows (`DecodeIO(ragged=True)`): block positions [0, valid) are
     # real, the rest padding whose per-slot state (window ring, partial group, entries) is never written
+    _chunk_rows: Tensor | None = field(default=None, repr=False)  # `chunk_rows()`
+
+    def chunk_rows(self) -> Tensor:
+        """(B, T) int64 0 … B·T − 1: where each token's quantized window key lands in a chunk's own rows (T > 1),
+        built once per forward."""
+        if self._chunk_rows is None:
+            B, T = self.positions.shape
+            self._chunk_rows = torch.arange(B * T, device=self.positions.device).view(B, T)
+        return self._chunk_rows
 
     def angles(self, attn) -> tuple[Tensor, Tensor]:
         """cos, sin of the tokens' positions for a layer, computed once per forward for each of the two
@@ -295,7 +304,7 @@ class Runner:
             ring_pos.view(-1)[record.ring_row.view(-1)] = record.positions.view(-1)
         else:
             chunk = torch.empty(B * T, pools.ring_bytes, dtype=torch.uint8, device=x.device)
-            ops.rope_quantize(kv, cos, sin, "window_fp8", chunk, torch.arange(B * T, device=x.device).view(B, T))
+            ops.rope_quantize(kv, cos, sin, "window_fp8", chunk, record.chunk_rows())
             chunk = chunk.view(B, T, -1)
 
         entry_args = {}

@@ -359,17 +359,20 @@ def swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None = None,
 
 
 def moe_route(logits: Tensor, bias: Tensor, gate_temp: float, score_func: str, k: int, norm: bool,
-              route_scale: float, dense: bool = False, hook=None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+              route_scale: float, dense: bool = False, hook=None, dense_ones: int = 0
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """The router after its matmul: scores = score_func(logits / gate_temp) ("softmax" | "sigmoid" |
     "sqrtsoftplus"), the k experts of largest scores + bias (bias (E,), or (N, E) per row), their scores as
     weights (divided by their sum + 1e-20 when `norm` and k > 1) times route_scale. logits (N, E) fp32 →
     weights (N, k) fp32, indices (N, k) int64 (descending choice), scores (N, E) fp32, and with `dense` the
-    (N, E) routing matrix (each chosen expert's weight, 0 elsewhere). hook(indices) → the indices used (a
+    (N, E) routing matrix (each chosen expert's weight, 0 elsewhere), followed by `dense_ones` columns of 1 (the
+    fused shared expert's block: `MoE.fuse_dense`). hook(indices) → the indices used (a
     recorded or replayed routing; the twin runs it). One kernel on CUDA (no gradient, no hook)."""
     if hook is not None:
-        return _ref_module("router").moe_route(logits, bias, gate_temp, score_func, k, norm, route_scale, dense, hook)
+        return _ref_module("router").moe_route(logits, bias, gate_temp, score_func, k, norm, route_scale, dense, hook,
+                                               dense_ones=dense_ones)
     fn = _impl("router", "moe_route", logits, bias, supported=logits.dtype == torch.float32)
-    return fn(logits, bias, gate_temp, score_func, k, norm, route_scale, dense)
+    return fn(logits, bias, gate_temp, score_func, k, norm, route_scale, dense, dense_ones=dense_ones)
 
 
 # ---------------------------------------------------------------------------------------------

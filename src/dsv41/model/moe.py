@@ -93,16 +93,17 @@ class Gate(nn.Module):
         """x (N, dim), image_mask (N,) bool → weights (N, k) fp32, indices (N, k), scores (N, E) fp32."""
         return self.route(x, image_mask)[:3]
 
-    def route(self, x: Tensor, image_mask: Tensor | None = None, dense: bool = False
+    def route(self, x: Tensor, image_mask: Tensor | None = None, dense: bool = False, dense_ones: int = 0
               ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """`forward`, and with `dense` the (N, E) routing matrix (each chosen expert's weight, else 0). The
-        steps after the matmul are `ops.moe_route` (one kernel on CUDA at inference without a route hook)."""
+        """`forward`, and with `dense` the (N, E) routing matrix (each chosen expert's weight, else 0) and
+        `dense_ones` more columns of 1. The steps after the matmul are `ops.moe_route` (one kernel on CUDA at
+        inference without a route hook)."""
         logits = F.linear(x.float(), self.weight.float())  # (N, E)
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask[:, None], self.bias_vl, self.bias)  # (N, E)
         return ops.moe_route(logits, bias, self.gate_temp, self.score_func, self.topk, self.norm_topk_prob,
-                             self.route_scale, dense, hook=self.route_hook)
+                             self.route_scale, dense, hook=self.route_hook, dense_ones=dense_ones)
 
 
 def _swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None) -> Tensor:
@@ -373,12 +374,14 @@ class MoE(nn.Module):
         img = image_mask.reshape(B * T) if image_mask is not None else None  # (N,)
         dense = self.expert_dispatch is None and (self.moe_impl == "dense" or B * T <= self.dense_tokens
                                                   or _dense_while_capturing(self.moe_impl, x))
-        weights, indices, scores, route = self.gate.route(flat, img, dense)  # (N, k), (N, k), (N, E), (N, E)
+        fused = dense and self._fused_ok()
+        # (N, k), (N, k), (N, E), and with `dense` (N, E), or (N, E + 1) fused: the shared expert's block weighted 1
+        weights, indices, scores, route = self.gate.route(flat, img, dense, dense_ones=int(fused))
         if self.expert_dispatch is not None:
             y = torch.add(self.expert_dispatch(self, flat, weights, indices), self.shared_experts(flat))  # fp32
             return self._finish(y, x, scores, indices, img, token_mask)
         if dense:  # route: (N, E) weight of each chosen expert
-            y = self._dense_fused(flat, route) if self._fused_ok() else \
+            y = self._dense_fused(flat, route, x.dtype) if fused else \
                 torch.add(self.experts.dense(flat, route), self.shared_experts(flat))  # fp32 + the compute dtype
             return self._finish(y, x, scores, indices, img, token_mask)
 
@@ -445,17 +448,19 @@ class MoE(nn.Module):
         fused = self._fused
         return fused is not None and self._weight_addresses() == fused[2]
 
-    def _dense_fused(self, flat: Tensor, route: Tensor) -> Tensor:
-        """`experts.dense(flat, route) + shared_experts(flat)` from the fused layout (`fuse_dense`): (N, dim) fp32."""
+    def _dense_fused(self, flat: Tensor, route: Tensor, out_dtype: torch.dtype) -> Tensor:
+        """`experts.dense(flat, route) + shared_experts(flat)` from the fused layout (`fuse_dense`), (N, dim) in
+        out_dtype: the sum over the E + 1 blocks accumulates in fp32 and rounds once (torch's reductions of bf16 /
+        fp16 accumulate in fp32), so no fp32 copy is written and cast after."""
         w13, w2, _ = self._fused
         N, inter = flat.size(0), self.experts.inter_dim
         E1 = w2.size(0)
         dtype = _compute_dtype(flat)
         gu = F.linear(flat.to(dtype), w13.to(dtype))  # (N, 2·(E+1)·inter): every expert's w1 and w3, the shared too
-        weight = F.pad(route, (0, 1), value=1.0)  # (N, E+1): the shared expert's block × 1 (exact)
-        h = ops.swiglu(gu[:, :E1 * inter], gu[:, E1 * inter:], self.experts.swiglu_limit, weight, dtype)
+        # route (N, E + 1): the shared expert's block × 1 (exact)
+        h = ops.swiglu(gu[:, :E1 * inter], gu[:, E1 * inter:], self.experts.swiglu_limit, route, dtype)
         out = torch.bmm(h.view(N, E1, inter).transpose(0, 1), w2.to(dtype).transpose(1, 2))  # (E+1, N, dim)
-        return out.sum(dim=0, dtype=torch.float32)  # as `GroupedExperts.dense`: fp32 over the bf16 products
+        return out.sum(dim=0, dtype=out_dtype)
 
     def _finish(self, y: Tensor, x: Tensor, scores: Tensor, indices: Tensor, img: Tensor | None,
                 token_mask: Tensor | None) -> Tensor:

@@ -26,7 +26,8 @@ SCORE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 @jit_sizes("N")
 def _route_kernel(logit_ptr, bias_ptr, w_ptr, idx_ptr, score_ptr, route_ptr, N, E, s_l, s_b, gate_temp,
                   route_scale, SCORE: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
-                  BIAS_ROWS: tl.constexpr, DENSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+                  BIAS_ROWS: tl.constexpr, DENSE: tl.constexpr, ONES: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_E)
     row_ok = rows < N
@@ -76,11 +77,15 @@ def _route_kernel(logit_ptr, bias_ptr, w_ptr, idx_ptr, score_ptr, route_ptr, N, 
             dense = tl.math.div_rn(s, denom[:, None]) * route_scale
         else:
             dense = s * route_scale
-        tl.store(route_ptr + r64 * E + cols[None, :], tl.where(picked, dense, 0.0), mask=ok)
+        s_r = E + ONES  # the routing matrix's row: E weights, then ONES columns of 1
+        tl.store(route_ptr + r64 * s_r + cols[None, :], tl.where(picked, dense, 0.0), mask=ok)
+        for j in tl.static_range(ONES):
+            tl.store(route_ptr + rows.to(tl.int64) * s_r + E + j, tl.full([BLOCK_N], 1.0, tl.float32), mask=row_ok)
 
 
 def moe_route(logits: Tensor, bias: Tensor, gate_temp: float, score_func: str, k: int, norm: bool,
-              route_scale: float, dense: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+              route_scale: float, dense: bool = False, dense_ones: int = 0
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """See `dsv41.kernels.ops.moe_route`."""
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"moe_route: logits must be (N, E) float32, got {tuple(logits.shape)} {logits.dtype}")
@@ -97,7 +102,9 @@ def moe_route(logits: Tensor, bias: Tensor, gate_temp: float, score_func: str, k
     weights = torch.empty(N, k, dtype=torch.float32, device=dev)
     indices = torch.empty(N, k, dtype=torch.int64, device=dev)
     scores = torch.empty(N, E, dtype=torch.float32, device=dev)
-    route = torch.empty(N, E, dtype=torch.float32, device=dev) if dense else None
+    if dense_ones < 0:
+        raise ValueError(f"moe_route: dense_ones must be >= 0, got {dense_ones}")
+    route = torch.empty(N, E + dense_ones, dtype=torch.float32, device=dev) if dense else None
     if N == 0:
         return weights, indices, scores, route
     lg = logits if logits.stride(1) == 1 else logits.contiguous()
@@ -108,5 +115,5 @@ def moe_route(logits: Tensor, bias: Tensor, gate_temp: float, score_func: str, k
         lg, b, weights, indices, scores, route if dense else scores, N, E, lg.stride(0),
         b.stride(0) if b.dim() == 2 else 0, float(gate_temp), float(route_scale),
         SCORE=SCORE_FUNCS[score_func], K=int(k), NORM=bool(norm and k > 1), BIAS_ROWS=b.dim() == 2, DENSE=dense,
-        BLOCK_N=block_n, BLOCK_E=block_e, num_warps=4)
+        ONES=int(dense_ones) if dense else 0, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=4)
     return weights, indices, scores, route
