@@ -216,12 +216,12 @@ def dsv41_static_prefill(model, n: int, device: str, chunk: int) -> dict:
     """Encoder-only and exact prefill of one n-token prompt through `StaticPrefill` (the engine's path for whole
     runs: pieces of up to `chunk` tokens at power-of-two shapes and the window, from CUDA graphs on CUDA, captured by
     a first run of the same shapes); the fastest of 3 synced runs each, and their ratio."""
-    from dsv41.engine.engine import dense_moe_for_graphs
+    from dsv41.engine.engine import layout_for_graphs
     from dsv41.engine.static_prefill import StaticPrefill
 
     c = model.config
     if device.startswith("cuda"):  # the MoE dispatch an Engine with graphs sets (the replay's 128 tokens: dense)
-        dense_moe_for_graphs(model, 1)
+        layout_for_graphs(model, 1)
     runner = Runner(model)
     pools = private_pools(c, device, max_tokens=n + 8)
     static = StaticPrefill(runner, pools, chunk=chunk)

@@ -249,20 +249,21 @@ def test_warm_up_prefills_a_prompt_of_two_chunks_beside_a_decoding_request(layer
 
 
 def test_decode_with_the_fused_dense_moe_equals_the_unfused_full_forward():
-    """What an engine with CUDA graphs sets on its model (`dense_moe_for_graphs`: the dense MoE dispatch for decode
-    steps and small pieces, the shared expert fused into it) keeps prefill + batched cached decode equal to the
-    full forward of an untouched copy of the model (the routed dispatch, shared expert apart) — on the CPU, where
-    an engine never sets it itself."""
+    """What an engine with CUDA graphs sets on its model (`layout_for_graphs`: the dense MoE dispatch for decode
+    steps and small pieces, the shared expert fused into it, wq_a and wkv one matrix) keeps prefill + batched cached
+    decode equal to the full forward of an untouched copy of the model (the routed dispatch, shared expert apart,
+    two input GEMMs) — on the CPU, where an engine never sets it itself."""
     import copy
 
-    from dsv41.engine.engine import dense_moe_for_graphs
+    from dsv41.engine.engine import layout_for_graphs
 
     torch.manual_seed(7)
     model = engine_test_model(7)
     reference = copy.deepcopy(model)
-    dense_moe_for_graphs(model, 3)
+    layout_for_graphs(model, 3)
     moe = model.moe_layers()[0]
     assert moe.dense_tokens > 100 and moe._fused_ok()  # tiny: every forward of these prompts runs dense
+    assert all(layer.attn._fused_a_ok() for layer in model.layers)  # one input GEMM for wq_a and wkv
     _batched_decode_equals_full_forward(model, reference, [9, 60], 12)
 
 
@@ -280,3 +281,50 @@ def test_dense_piece_tokens_is_the_flop_budget_over_the_extra_experts():
         assert dense_piece_tokens(MoE(flash.n_layers - 1, flash)) == 0
         every = small.replace(n_activated_experts=small.n_routed_experts)
         assert dense_piece_tokens(MoE(every.n_layers - 1, every)) == 0
+
+
+def test_the_fused_input_projection_is_both_weights_and_one_gemm():
+    """`Attention.fuse_projections` (set by `layout_for_graphs`): wq_a and wkv become views into one matrix — the
+    state dict unchanged, `project` = the two linears (fp64 products, fp32 rounding), an in-place update of either
+    weight seen by the fused GEMM, a cast or a reassigned weight undoing the fusion (the two linears again), and one
+    matmul instead of two."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(3)
+    model = engine_test_model(3)
+    attn = model.layers[2].attn
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert attn.fuse_projections() and attn._fused_a_ok()
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    x = torch.randn(2, 5, model.config.dim)
+
+    def want():
+        x64 = x.double()
+        return x64 @ attn.wq_a.weight.double().T, x64 @ attn.wkv.weight.double().T
+
+    class Matmuls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Matmuls.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Matmuls():
+        q_a, kv_a = attn.project(x)
+    assert Matmuls.n == 1
+    for got, ref in zip((q_a, kv_a), want()):
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        attn.wkv.weight.mul_(-2.0)  # in place: the fused matrix sees it
+        q_a, kv_a = attn.project(x)
+    torch.testing.assert_close(kv_a.double(), want()[1], rtol=1e-5, atol=1e-5)
+    attn.wkv.weight.data = attn.wkv.weight.data.clone()  # reassigned: no longer a view
+    assert not attn._fused_a_ok()
+    with torch.no_grad():
+        attn.wkv.weight.mul_(0.5)
+        q_a, kv_a = attn.project(x)
+    torch.testing.assert_close(kv_a.double(), want()[1], rtol=1e-5, atol=1e-5)
+    assert attn.fuse_projections()
+    model.double()  # a cast gives the weights new tensors
+    assert attn._fused_a is None

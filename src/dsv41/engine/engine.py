@@ -162,11 +162,14 @@ def dense_piece_tokens(moe) -> int:
     return int(DENSE_EXTRA_FLOPS // ((moe.n_routed - moe.topk) * 6 * dim * inter)) if moe.n_routed > moe.topk else 0
 
 
-def dense_moe_for_graphs(model: Transformer, decode_rows: int) -> None:
-    """What an engine with CUDA graphs sets on its model's MoE layers: the dense dispatch for decode steps of up to
-    `decode_rows` tokens where experts are few (E ≤ 4k) and for forwards of up to `dense_piece_tokens`, with the
-    shared expert fused in (`MoE.fuse_dense`). Benchmarks that run the engine's pieces without an `Engine`
-    (peer_decode's `StaticPrefill`) call it too."""
+def layout_for_graphs(model: Transformer, decode_rows: int) -> None:
+    """What an engine with CUDA graphs sets on its model (fewer kernels per layer; the same function): each
+    attention's wq_a and wkv as one matrix (`Attention.fuse_projections`), and on its MoE layers the dense dispatch
+    for decode steps of up to `decode_rows` tokens where experts are few (E ≤ 4k) and for forwards of up to
+    `dense_piece_tokens`, with the shared expert fused in (`MoE.fuse_dense`). Benchmarks that run the engine's
+    pieces without an `Engine` (peer_decode's `StaticPrefill`) call it too."""
+    for layer in model.layers:
+        layer.attn.fuse_projections()
     for moe in model.moe_layers():
         if moe.n_routed <= 4 * moe.topk:
             moe.dense_tokens = max(moe.dense_tokens, decode_rows)
@@ -251,7 +254,7 @@ class Engine:
         self.graphs = DecodeGraphs(self.runner, self.io, min_entries=graph_min_entries) if use_graphs else None
         _keep_fp32_weights_in_fp32(model)
         if use_graphs:  # decode-sized forwards and small prefill pieces: every expert on every token (fewer kernels)
-            dense_moe_for_graphs(model, max_batch * (drafter.k + 1 if drafter else 1))
+            layout_for_graphs(model, max_batch * (drafter.k + 1 if drafter else 1))
         # before the start-up profile below: its static steps are timed by phase too
         self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
         self.step_time = step_time

@@ -97,6 +97,8 @@ class StepRecord:
     capture: Capture | None = None  # hidden states / projections to hand back (host-driven only)
     valid: Tensor | None = None  # (B,) ragged static rows (`DecodeIO(ragged=True)`): block positions [0, valid) are
     # real, the rest padding whose per-slot state (window ring, partial group, entries) is never written
+    window_in_block: bool = False  # every window key a query sees is in the block (the static replay: its window
+    # starts at the block's first position), so the attention reads no ring
     _chunk_rows: Tensor | None = field(default=None, repr=False)  # `chunk_rows()`
 
     def chunk_rows(self) -> Tensor:
@@ -223,6 +225,7 @@ class Runner:
         record.compress = compress
         if replay:
             record.replay_start = record.positions[:, 0].contiguous()
+            record.window_in_block = True
         return self._layers(record, io.block(B), layers, h, pre_mix)
 
     @torch.no_grad()
@@ -294,8 +297,9 @@ class Runner:
         B, T, _ = x.shape
         W = attn.window
         cos, sin = record.angles(attn)
-        qr, q = attn.query(x, cos, sin)
-        kv = attn.kv_norm(attn.wkv(x))  # (B, T, D) before RoPE and FP8
+        q_a, kv_a = attn.project(x)  # wq_a(x), wkv(x): one GEMM when fused (`Attention.fuse_projections`)
+        qr, q = attn.query(x, cos, sin, q_a)
+        kv = attn.kv_norm(kv_a)  # (B, T, D) before RoPE and FP8
         ring_rows = pools.ring_rows[layer_id].view(-1, pools.ring_bytes)  # (S·W, bytes)
         ring_pos = pools.ring_positions[layer_id]  # (S, W)
         chunk = None
@@ -319,9 +323,11 @@ class Runner:
             table = self._source(plan.kv_source, record)[0]
             src = pools.sources[plan.kv_source]
             entry_args = dict(entry_pool=src.kv_rows, page_table=table, page_rows=src.page_rows, topk=record.topk)
-        o = ops.sparse_attention(q, record.positions, attn.attn_sink, attn.scale, W, ring_kv=pools.ring_rows[layer_id],
-                                 ring_pos=ring_pos, ring_ids=record.slots, chunk_kv=chunk,
-                                 window_start=record.replay_start, **entry_args)
+        ring_args = {}
+        if chunk is None or not record.window_in_block:  # (a replay's window is its block: the ring is all masked)
+            ring_args = dict(ring_kv=pools.ring_rows[layer_id], ring_pos=ring_pos, ring_ids=record.slots)
+        o = ops.sparse_attention(q, record.positions, attn.attn_sink, attn.scale, W, chunk_kv=chunk,
+                                 window_start=record.replay_start, **ring_args, **entry_args)
         if chunk is not None:  # now the chunk's last W keys replace the oldest ring slots
             # (a ragged row's last W real keys: block positions [valid − w, valid); one kernel on CUDA)
             ops.ring_write(chunk, record.positions, record.ring_row, record.valid, ring_rows, ring_pos.view(-1), W)

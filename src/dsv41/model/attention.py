@@ -258,6 +258,7 @@ class Attention(nn.Module):
             self.indexer = Indexer(c, plan.layer_id)
         self._rope_config = c
         self.register_buffer("freqs", layer_frequencies(c, plan.ratio), persistent=False)
+        self._fused_a: tuple[Tensor, tuple[int, int]] | None = None  # `fuse_projections`: [wq_a; wkv], addresses
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         """The RoPE frequencies stay fp32 whatever the module is cast to: `.to(bf16)` would round them to ~3
@@ -266,15 +267,47 @@ class Attention(nn.Module):
         freqs = self._buffers["freqs"]
         if freqs.dtype != torch.float32:
             self._buffers["freqs"] = layer_frequencies(self._rope_config, self.ratio).to(freqs.device)
+        if self._fused_a is not None and not self._fused_a_ok():  # a conversion gave the weights new tensors
+            self._fused_a = None
         return self
+
+    # ------------------------------------------------------------ the engine's fused input projection
+    def fuse_projections(self) -> bool:
+        """Lay wq_a and wkv out as one (q_lora_rank + head_dim, dim) matrix, the two weights views into it (the
+        state dict unchanged, in-place updates seen by both), so that `project` is one GEMM instead of two (the
+        engine: one kernel fewer per layer of every step). Plain weights of one dtype and device only; False
+        otherwise. A cast or a reassigned weight undoes it (`project` checks)."""
+        a, kv = self.wq_a.weight, self.wkv.weight
+        if type(a) is not nn.Parameter or type(kv) is not nn.Parameter or (a.dtype, a.device) != (kv.dtype, kv.device):
+            return False
+        w = torch.cat([a.detach(), kv.detach()])
+        self.wq_a.weight.data, self.wkv.weight.data = w[:a.size(0)], w[a.size(0):]
+        self._fused_a = (w, self._a_addresses())
+        return True
+
+    def _a_addresses(self) -> tuple[int, int]:
+        return self.wq_a.weight.data_ptr(), self.wkv.weight.data_ptr()
+
+    def _fused_a_ok(self) -> bool:
+        return self._fused_a is not None and self._a_addresses() == self._fused_a[1]
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(wq_a(x), wkv(x)) before their norms: one GEMM over the fused matrix (`fuse_projections`) — the two
+        outputs views into its result — or two."""
+        if self._fused_a_ok() and not torch.is_grad_enabled():
+            out = F.linear(x, self._fused_a[0])
+            r = self.wq_a.out_features
+            return out[..., :r], out[..., r:]
+        return self.wq_a(x), self.wkv(x)
 
     # ------------------------------------------------------------ pieces the engine reuses
     def angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return rope_angles(self.freqs, positions)
 
-    def query(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """(qr (B, T, q_lora_rank), q (B, T, H, D) rotated)."""
-        qr = self.q_norm(self.wq_a(x))
+    def query(self, x: Tensor, cos: Tensor, sin: Tensor, projected: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(qr (B, T, q_lora_rank), q (B, T, H, D) rotated); `projected`: wq_a(x) when the caller has it
+        (`project`)."""
+        qr = self.q_norm(self.wq_a(x) if projected is None else projected)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # (B, T, H, D)
         return qr, ops.rope(q, cos, sin)
 

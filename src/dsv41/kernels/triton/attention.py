@@ -541,7 +541,10 @@ def sparse_attention(q: Tensor, q_pos: Tensor, sink: Tensor, scale: float, windo
     n_hb, n_dv = triton.cdiv(H, block_h), D // block_dv
     programs = B * T * n_hb * n_dv
     if num_splits is None:
-        num_splits = 1 if interpreting() or not q.is_cuda else _sm_count(dev.index or 0) // programs
+        # decode: one wave of programs; a short prefill block (the decoder replay: 128 queries of a few tiles each)
+        # up to four programs per SM, so that the tiles' dependent loads (top-k id → page → entry) overlap
+        waves = 4 if small_prefill else 1
+        num_splits = 1 if interpreting() or not q.is_cuda else waves * _sm_count(dev.index or 0) // programs
     num_splits = max(1, min(num_splits, n_tiles))
     per_split = triton.cdiv(max(n_tiles, 1), num_splits)
     num_splits = triton.cdiv(max(n_tiles, 1), per_split)  # no empty split
