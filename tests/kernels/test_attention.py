@@ -135,6 +135,16 @@ def test_prefill_chunk_bounded_replay(band):
     assert expected.abs().amax() > 0
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_the_decoder_replay_reads_no_ring(num_splits):
+    """The static replay's call (`StepRecord.window_in_block`): no ring, the block's own keys from the window start
+    on, entries; split over programs or not (a block of >= 64 queries splits by default on CUDA)."""
+    case = make_case(1, 12, 6, 32, W=8, window=8, ring=False, chunk=True, entries=True, seed=14)
+    case["window_start"] = case["q_pos"][:, 0].contiguous()  # the window starts at the block
+    expected = check_triton(case, num_splits=num_splits)
+    assert expected.abs().amax() > 0
+
+
 def test_ragged_topk_with_holes():
     """K not a multiple of the tile, −1 anywhere, one query with no entry at all."""
     case = make_case(2, 3, 4, 32, K=13, holes=0.4, seed=4)
@@ -253,6 +263,9 @@ GPU_CASES = {
     "decode-small": dict(B=8, T=1, H=6, D=128, W=128, K=128, window=128, page_rows=256, pages_per_seq=4),
     "prefill-small": dict(B=2, T=300, H=6, D=128, W=128, K=128, window=128, chunk=True, replay=True,
                           page_rows=256, pages_per_seq=4),
+    # the decoder replay's call: 128 queries, no ring (their window starts at the block), split by default
+    "replay-small": dict(B=1, T=128, H=6, D=128, W=128, K=128, window=128, ring=False, chunk=True,
+                         page_rows=256, pages_per_seq=4),
 }
 
 
@@ -262,6 +275,8 @@ def test_gpu_matches_twin(name):
     shape = dict(GPU_CASES[name])
     case = make_case(shape.pop("B"), shape.pop("T"), shape.pop("H"), shape.pop("D"), **shape,
                      dtype=torch.bfloat16, device="cuda", seed=12)
+    if name == "replay-small":
+        case["window_start"] = case["q_pos"][:, 0].contiguous()
     expected = run("torch", case)
     actual = run("triton", case)  # the default knobs
     assert _norm_error(actual, expected) <= 1e-2
