@@ -380,7 +380,7 @@ class MoE(nn.Module):
         if self.expert_dispatch is not None:
             y = torch.add(self.expert_dispatch(self, flat, weights, indices), self.shared_experts(flat))  # fp32
             return self._finish(y, x, scores, indices, img, token_mask)
-        if dense:  # route: (N, E) weight of each chosen expert
+        if dense:  # route: each chosen expert's weight, 0 elsewhere (and the shared block's 1 when fused)
             y = self._dense_fused(flat, route, x.dtype) if fused else \
                 torch.add(self.experts.dense(flat, route), self.shared_experts(flat))  # fp32 + the compute dtype
             return self._finish(y, x, scores, indices, img, token_mask)
