@@ -244,12 +244,27 @@ def dsv41_static_prefill(model, n: int, device: str, chunk: int) -> dict:
             per_graph = {k: graph_ms(static._graphs[k][0], device) for k in used}
             out[f"{name}_gpu_ms"] = sum(m * per_graph[k] for k, m in used.items())
             # e.g. {"encoder 8192": 8.2, "replay 128": 1.7}: where a prompt's device time goes (kind, shape)
-            out[f"{name}_graph_ms"] = {f"{k[0]} {k[1]}": {"ms": ms, "replays": used[k]} for k, ms in per_graph.items()}
+            out[f"{name}_graph_ms"] = {f"{k[0]} {k[1]}": {"ms": ms, "replays": used[k], **graph_kernels(
+                static._graphs[k][0])} for k, ms in per_graph.items()}
     out.update(encoder_over_exact=out["static_ms"] / out["static_exact_ms"], graphs=static.graphs,
                captures=static.captures)
     if static.graphs:
         out["gpu_encoder_over_exact"] = out["static_gpu_ms"] / out["static_exact_gpu_ms"]
     return out
+
+
+def graph_kernels(graph) -> dict:
+    """One replay of a captured graph under torch.profiler: its kernels, their summed µs and the largest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"kernels": len(kernels), "kernel_us": sum(e.device_time for e in kernels),
+            "top_kernels": top_kernels(kernels, 1)}
 
 
 def graph_ms(graph, device: str, repeat: int = 5) -> float:
