@@ -48,6 +48,21 @@ def _post_case(name: str, B: int, T: int, d: int, device: torch.device, with_fn:
                 sweep=lambda **knobs: fused.mhc_post(h, f, post, comb, pre, fn, 1e-6, **knobs))
 
 
+def _post_split_case(name: str, B: int, d: int, device: torch.device, note: str) -> dict:
+    """One inference hand-over (`mhc_post_split`): the pass with the Sinkhorn split of the next coefficients as
+    the finish kernel's epilogue. Work as `_post_case` plus the (2n + n²) fp32 coefficients written."""
+    h, f, post, comb, pre, fn = _streams(B, 1, d, device, seed=B + d + 1)
+    g = torch.Generator(device=device).manual_seed(9)
+    scale, base = 0.5 + torch.rand(3, generator=g, device=device), torch.randn(K, generator=g, device=device)
+    args = (h, f, post, comb, pre, fn, 1e-6, scale, base, N, 20, 1e-6)
+    per_token = (2 * N + 2) * d * 2 + (2 * N + N * N) * 4 * 2 + K * 4
+    return dict(name=name, shape=f"B={B} T=1 n={N} d={d} bf16 iters=20", unit="byte",
+                work=B * per_token + K * N * d * 4, ceiling="copy",
+                triton=torch.no_grad()(lambda: fused.mhc_post_split(*args)),
+                torch=torch.no_grad()(lambda: twin.mhc_post_split(*args)), note=note,
+                sweep=lambda **knobs: fused.mhc_post_split(*args, **knobs))
+
+
 def cases(device: torch.device) -> list[dict]:
     out = [
         _post_case("mhc_post prefill", 1, 16384, 5120, device, True,
@@ -66,6 +81,11 @@ def cases(device: torch.device) -> list[dict]:
                    "the `small` preset's decode step (27 per step): latency-bound, a few programs"),
         _post_case("mhc_post decode B=1", 1, 1, 5120, device, True,
                    "one token: pure latency (two launches), reported for the decode step budget"),
+        _post_split_case("mhc_post_split small decode B=64", 64, 384, device,
+                         "the model's decode hand-over: pass + finish with the split as its epilogue (2 launches); "
+                         "the separate path is `mhc_post small decode B=64` + `mhc_split decode B=64` (3)"),
+        _post_split_case("mhc_post_split decode batch", 128, 5120, device,
+                         "v41-flash decode hand-over, 2 launches; separate: `mhc_post decode batch` + a split"),
     ]
 
     h, *_, fn = _streams(1, 16384, 5120, device, seed=7)

@@ -107,7 +107,7 @@ def _truncated_decoder_reference(model, tokens: torch.Tensor) -> torch.Tensor:
         def attention(x, layer=layer, ctx=ctx):
             return layer.attn(x, ctx)
 
-        h, pre_mix, entry = layer(h, pre_mix, attention, entry=entry, next_fn=model.next_fn(layer.layer_id))
+        h, pre_mix, entry = layer(h, pre_mix, attention, entry=entry, next_block=model.next_block(layer.layer_id))
     return model.head_logits(entry[0])[0, -1]
 
 

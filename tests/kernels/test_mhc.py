@@ -415,7 +415,7 @@ def run_blocks(model, tokens, n_layers: int, fused: bool):
             carry = None  # Engram changed h: x and the mixes are recomputed from it
         attention = partial(layer.attn, ctx=ctx)
         if fused:
-            h, pre_mix, carry = layer(h, pre_mix, attention, entry=carry, next_fn=model.next_fn(i, n_layers - 1))
+            h, pre_mix, carry = layer(h, pre_mix, attention, entry=carry, next_block=model.next_block(i, n_layers - 1))
         else:
             h, pre_mix = multi_pass_block_forward(layer, h, pre_mix, attention)
         states.append((h, pre_mix))

@@ -494,7 +494,10 @@ def _stack_carries(carries: list[Carry]) -> Carry:
 
     entry = None
     if carries[0].entry is not None:
-        entry = (cat([c.entry[0] for c in carries]), cat([c.entry[1] for c in carries]))
+        coefs = None  # (pre, post, comb) of the next block's attention, each concatenated
+        if carries[0].entry[1] is not None:
+            coefs = tuple(cat([c.entry[1][k] for c in carries]) for k in range(3))
+        entry = (cat([c.entry[0] for c in carries]), coefs)
     return Carry(carries[0].stop, cat([c.h for c in carries]), cat([c.pre_mix for c in carries]), entry,
                  cat([c.topk for c in carries]), cat([c.blocks for c in carries]))
 
@@ -504,7 +507,10 @@ def _carry_row(carry: Carry, b: int) -> Carry:
     def row(t):
         return None if t is None else t[b:b + 1]
 
-    entry = None if carry.entry is None else (row(carry.entry[0]), row(carry.entry[1]))
+    entry = None
+    if carry.entry is not None:
+        x, coefs = carry.entry
+        entry = (row(x), None if coefs is None else tuple(row(t) for t in coefs))
     return Carry(carry.stop, row(carry.h), row(carry.pre_mix), entry, row(carry.topk), row(carry.blocks))
 
 

@@ -39,7 +39,7 @@ from dsv41.engine.cache import FEW_ROWS, SequenceCache
 from dsv41.engine.rollback import RollbackState
 from dsv41.kernels import ops
 from dsv41.model.mhc import hc_pre, identity_pre_mix
-from dsv41.model.transformer import Transformer
+from dsv41.model.transformer import Entry, Transformer
 from dsv41.plan import FULL, REINDEX
 
 
@@ -69,7 +69,7 @@ class Carry:
     stop: int  # end of the whole layer range the pieces cover (the fused hand-over never crosses it)
     h: Tensor | None = None  # (B, T, n, d) streams entering the next piece
     pre_mix: Tensor | None = None  # (B, T, n)
-    entry: tuple[Tensor, Tensor | None] | None = None  # (collapsed input, mixes) made for the next block
+    entry: Entry | None = None  # (collapsed input, attention coefficients) made for the next block
     topk: Tensor | None = None  # (B, T, K) the last index source's selection
     blocks: Tensor | None = None  # (B, T, kb) the candidate source's blocks
 
@@ -251,7 +251,7 @@ class Runner:
                 carry: Carry | None = None) -> tuple[Tensor, Tensor]:
         model, c = self.model, self.config
         image_mask = record.image_mask  # None in the decode step: text tokens only
-        entry = None  # (input, mixes) the previous block's last fused pass made for the next block
+        entry = None  # (input, coefficients) the previous block's last fused pass made for the next block
         last = layers.stop - 1  # the last block whose hand-over may fuse the next one's projection
         if carry is not None:
             if not carry.stop >= layers.stop:
@@ -281,7 +281,7 @@ class Runner:
                 return self.attention(i, x, record)
 
             h, pre_mix, entry = block(h, pre_mix, attention, image_mask=image_mask, entry=entry,
-                                      next_fn=model.next_fn(i, last))
+                                      next_block=model.next_block(i, last))
             if i in wanted and capture.at == "output":
                 capture.features[i] = h.mean(dim=2)  # (B, T, d)
         if carry is not None:

@@ -238,6 +238,44 @@ def mhc_mixes(h: Tensor, hc_fn: Tensor, norm_eps: float) -> Tensor:
     return _impl("mhc", "mhc_mixes", h, hc_fn, supported=h.dtype in _MHC_FLOATS)(h, hc_fn, norm_eps)
 
 
+def mhc_post_split(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor, norm_eps: float,
+                   hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int, hc_eps: float
+                   ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """`mhc_post`, then `mhc_split` of its mixes with (hc_scale, hc_base): (h_new, x, (pre', post', comb')) — the
+    next sublayer's coefficients instead of its mixes (twin: `ref.mhc.mhc_post_split`, the composition).
+
+    On the Triton inference path (`_split_fuses`), whenever the pass splits d (up to 8,320 tokens on 132 SMs:
+    decode, the bounded replay, prefill chunks) the split is the epilogue of its finish kernel, which writes
+    the mixes: one launch less per hand-over (2 per layer: 24 per decode step of the 12-layer `small`), the
+    separate kernels' results bit for bit; a longer, unsplit pass is followed by the split kernel as before
+    (`kernels/triton/mhc.py`, "Sinkhorn epilogue"). Elsewhere (a gradient, torch.compile, the twins) it is
+    the two ops, training paths included."""
+    tensors = (h, f, post, comb, pre, hc_fn, hc_scale, hc_base)
+    if _split_fuses(tensors, supported=_MHC_FLOATS.issuperset((h.dtype, f.dtype))):
+        fused = importlib.import_module("dsv41.kernels.triton.mhc").mhc_post_split
+        return fused(h, f, post, comb, pre, hc_fn, norm_eps, hc_scale, hc_base, hc_mult, iters, hc_eps)
+    h_new, x, mixes = mhc_post(h, f, post, comb, pre, hc_fn, norm_eps)
+    return h_new, x, mhc_split(mixes, hc_scale, hc_base, hc_mult, iters, hc_eps)
+
+
+def mhc_mixes_split(h: Tensor, hc_fn: Tensor, norm_eps: float, hc_scale: Tensor, hc_base: Tensor, hc_mult: int,
+                    iters: int, hc_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`mhc_mixes`, then `mhc_split`: the coefficients (pre, post, comb) of the streams h, with the split in the
+    projection's kernel on the Triton inference path (as `mhc_post_split`; twin `ref.mhc.mhc_mixes_split`)."""
+    if _split_fuses((h, hc_fn, hc_scale, hc_base), supported=h.dtype in _MHC_FLOATS):
+        fused = importlib.import_module("dsv41.kernels.triton.mhc").mhc_mixes_split
+        return fused(h, hc_fn, norm_eps, hc_scale, hc_base, hc_mult, iters, hc_eps)
+    return mhc_split(mhc_mixes(h, hc_fn, norm_eps), hc_scale, hc_base, hc_mult, iters, hc_eps)
+
+
+def _split_fuses(tensors: tuple[Tensor, ...], supported: bool) -> bool:
+    """Does the Sinkhorn split ride in the kernel that writes the mixes: where `_impl` picks the Triton kernels
+    and no gradient is taken? (A gradient keeps the composition: its ops have their own training paths.)"""
+    if torch.compiler.is_compiling() or needs_grad(*tensors):
+        return False
+    return _use_triton(*tensors) and (supported or _backend.get() == "triton")
+
+
 def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int, eps: float
               ) -> tuple[Tensor, Tensor, Tensor]:
     """Sinkhorn split of (..., (2+n)·n) mixes into pre (..., n), post (..., n), comb (..., n, n);

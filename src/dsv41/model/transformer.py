@@ -43,6 +43,11 @@ from dsv41.model.state import ForwardContext
 from dsv41.model.vision import Aligner, ViT, init_vision
 from dsv41.plan import LayerPlan, layer_plan
 
+# a sublayer's mHC coefficients: pre (B, T, n), post (B, T, n), comb (B, T, n, n) fp32
+Coefs = tuple[Tensor, Tensor, Tensor]
+# what a block's last pass hands the next block: (its collapsed input x (B, T, d), its attention coefficients)
+Entry = tuple[Tensor, Coefs | None]
+
 
 class Block(nn.Module):
     """Attention and MoE sublayers between hyper-connection mixes."""
@@ -68,11 +73,30 @@ class Block(nn.Module):
 
     def split(self, mixes: Tensor, which: str) -> tuple[Tensor, Tensor, Tensor]:
         """Sinkhorn split of projected mixes into (pre, post, comb) with this sublayer's scale/base."""
-        scale, base = getattr(self, f"hc_{which}_scale"), getattr(self, f"hc_{which}_base")
-        return ops.mhc_split(mixes, scale, base, self.hc_mult, self._hc["iters"], self._hc["hc_eps"])
+        return ops.mhc_split(mixes, *self._split_args(which))
 
     def mixes(self, h: Tensor, which: str) -> tuple[Tensor, Tensor, Tensor]:
-        return self.split(ops.mhc_mixes(h, getattr(self, f"hc_{which}_fn"), self._hc["norm_eps"]), which)
+        """(pre, post, comb) of this sublayer from the streams h: projection and split (`ops.mhc_mixes_split`)."""
+        return ops.mhc_mixes_split(h, getattr(self, f"hc_{which}_fn"), self._hc["norm_eps"],
+                                   *self._split_args(which))
+
+    def _split_args(self, which: str) -> tuple[Tensor, Tensor, int, int, float]:
+        """The Sinkhorn split's arguments after the mixes: (scale, base, hc_mult, iters, eps) of a sublayer."""
+        hc = self._hc
+        return getattr(self, f"hc_{which}_scale"), getattr(self, f"hc_{which}_base"), hc["hc_mult"], hc["iters"], \
+            hc["hc_eps"]
+
+    def hand_over(self, h: Tensor, f: Tensor, coefs: Coefs, nxt: Block | None, which: str
+                  ) -> tuple[Tensor, Tensor, Coefs | None]:
+        """One fused pass over the streams after a sublayer with coefficients `coefs` = (pre, post, comb): the
+        residual update, the next sublayer's input (mixed with this `pre`: single-pass) and, when `nxt` is
+        given, the coefficients of its `which` sublayer (projection and Sinkhorn split: `ops.mhc_post_split`)."""
+        pre, post, comb = coefs
+        eps = self._hc["norm_eps"]
+        if nxt is None:
+            h, x, _ = ops.mhc_post(h, f, post, comb, pre, None, eps)
+            return h, x, None
+        return ops.mhc_post_split(h, f, post, comb, pre, getattr(nxt, f"hc_{which}_fn"), eps, *nxt._split_args(which))
 
     def attn_input(self, h: Tensor, pre_mix: Tensor) -> Tensor:
         """The attention sublayer's normalized input (what a kv source compresses)."""
@@ -95,30 +119,26 @@ class Block(nn.Module):
 
     def forward(self, h: Tensor, pre_mix: Tensor, attention: Callable[[Tensor], Tensor],
                 image_mask: Tensor | None = None, token_mask: Tensor | None = None,
-                entry: tuple[Tensor, Tensor | None] | None = None, next_fn: Tensor | None = None
-                ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor | None]]:
+                entry: Entry | None = None, next_block: Block | None = None) -> tuple[Tensor, Tensor, Entry]:
         """h: (B, T, n, d) streams; pre_mix: (B, T, n) made by the previous sublayer; `attention`
         maps the normalized input to the attention output (the model's full-sequence attention or
         the engine's cached one). Each hand-over between sublayers is one fused pass over the
-        streams (`ops.mhc_post`: residual update, next sublayer's input, next coefficients).
-        `entry` = (collapsed input, attention mixes) when the previous block's last pass made
-        them; `next_fn` = the next block's hc_attn_fn when nothing changes h before it.
-        Returns (h, pre_mix, entry for the next block)."""
-        eps = self._hc["norm_eps"]
+        streams (`hand_over`: residual update, next sublayer's input, next coefficients).
+        `entry` = (collapsed input, attention coefficients) when the previous block's last pass made
+        them; `next_block` = the block after this one when nothing changes h before it (its attention
+        coefficients come out of this block's last pass). Returns (h, pre_mix, entry for the next block)."""
         if entry is None or entry[1] is None:
-            entry = (hc_pre(h, pre_mix), ops.mhc_mixes(h, self.hc_attn_fn, eps))
-        x, mixes = entry
-        attn_pre, attn_post, attn_comb = self.split(mixes, "attn")
+            entry = (hc_pre(h, pre_mix), self.mixes(h, "attn"))
+        x, attn = entry  # attn = (pre, post, comb)
         if not self.single_pass:
-            x = hc_pre(h, attn_pre)
+            x = hc_pre(h, attn[0])
         f = attention(self.attn_norm(x))
-        h, x, mixes = ops.mhc_post(h, f, attn_post, attn_comb, attn_pre, self.hc_ffn_fn, eps)
-        ffn_pre, ffn_post, ffn_comb = self.split(mixes, "ffn")
+        h, x, ffn = self.hand_over(h, f, attn, self, "ffn")
         if not self.single_pass:
-            x = hc_pre(h, ffn_pre)
+            x = hc_pre(h, ffn[0])
         f = self.ffn(self.ffn_norm(x), image_mask=image_mask, token_mask=token_mask)
-        h, x, mixes = ops.mhc_post(h, f, ffn_post, ffn_comb, ffn_pre, next_fn, eps)
-        return h, ffn_pre, (x, mixes)
+        h, x, coefs = self.hand_over(h, f, ffn, next_block, "attn")
+        return h, ffn[0], (x, coefs)
 
 
 @dataclass
@@ -193,17 +213,17 @@ class Transformer(nn.Module):
                 entry = None  # Engram changed the streams: the next block projects them itself
             attn = partial(sparse_attention, layer.attn) if ctx.attention == "sparse" else layer.attn
             h, pre_mix, entry = layer(h, pre_mix, partial(attn, ctx=ctx), image_mask=image_mask,
-                                      token_mask=token_mask, entry=entry, next_fn=self.next_fn(layer.layer_id))
+                                      token_mask=token_mask, entry=entry, next_block=self.next_block(layer.layer_id))
         return entry[0]  # the last pass already collapsed the streams with the last pre-mix
 
-    def next_fn(self, layer_id: int, last: int | None = None) -> Tensor | None:
-        """hc_attn_fn of the block after `layer_id` when its projection can fuse into this block's
-        last pass (it exists, is ≤ `last`, and no Engram touches the streams in between)."""
+    def next_block(self, layer_id: int, last: int | None = None) -> Block | None:
+        """The block after `layer_id` when its attention coefficients (projection and split) can fuse into this
+        block's last pass (it exists, is ≤ `last`, and no Engram touches the streams in between)."""
         nxt = layer_id + 1
         last = len(self.layers) - 1 if last is None else last
         if not self.fuse_across_blocks or nxt > last or self.layers[nxt].engram is not None:
             return None
-        return self.layers[nxt].hc_attn_fn
+        return self.layers[nxt]
 
     def head_logits(self, hidden: Tensor) -> Tensor:
         return F.linear(self.norm(hidden).float(), self.head.weight.float())

@@ -6,6 +6,8 @@ calls in `Block.forward` for these ops changes nothing numerically (bit-identica
   * mhc_post  = hc_post (residual update) → hc_pre (next input mix) → the projection of hc_mixes;
   * mhc_mixes = the projection + RMS part of hc_mixes (before the Sinkhorn split);
   * mhc_split = hc_split_sinkhorn on fp32 parameters (as hc_mixes calls it);
+  * mhc_post_split / mhc_mixes_split = mhc_post / mhc_mixes then mhc_split (the Triton kernels run the split
+    as the epilogue of the kernel that writes the mixes; here it is the composition);
   * mhc_split_backward = autograd through mhc_split (the reference of the Triton backward that
     `ops.mhc_split` trains with on CUDA).
 Plain torch ops only: training runs these with autograd.
@@ -37,6 +39,20 @@ def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, it
               ) -> tuple[Tensor, Tensor, Tensor]:
     """pre (..., n), post (..., n), comb (..., n, n) fp32 — hc_mixes' second half."""
     return hc_split_sinkhorn(mixes.float(), hc_scale.float(), hc_base.float(), hc_mult, iters, eps)
+
+
+def mhc_post_split(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor, norm_eps: float,
+                   hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int, hc_eps: float
+                   ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """(h_new, x, mhc_split(mixes of h_new)): the next sublayer's coefficients instead of its mixes."""
+    h_new, x, mixes = mhc_post(h, f, post, comb, pre, hc_fn, norm_eps)
+    return h_new, x, mhc_split(mixes, hc_scale, hc_base, hc_mult, iters, hc_eps)
+
+
+def mhc_mixes_split(h: Tensor, hc_fn: Tensor, norm_eps: float, hc_scale: Tensor, hc_base: Tensor, hc_mult: int,
+                    iters: int, hc_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(pre, post, comb) of the streams h: mhc_split of mhc_mixes = hc_mixes."""
+    return mhc_split(mhc_mixes(h, hc_fn, norm_eps), hc_scale, hc_base, hc_mult, iters, hc_eps)
 
 
 def mhc_split_backward(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, g_pre: Tensor | None,

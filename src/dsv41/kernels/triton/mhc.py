@@ -4,7 +4,8 @@
   h_new_j = post_j·f + Σ_i comb_ij·h_i   (fp32 math, rounded once to f's dtype),
   x       = Σ_j pre_j·h_new_j            (fp32 over the *rounded* h_new, then rounded),
   mixes   = (flatten(h_new) @ hc_fnᵀ)·rsqrt(mean(flatten(h_new)²) + eps)   ((2+n)·n = 24, fp32);
-`mhc_mixes` is the same pass with h as the streams (no update), `mhc_split` the Sinkhorn split.
+`mhc_mixes` is the same pass with h as the streams (no update), `mhc_split` the Sinkhorn split;
+`mhc_post_split` / `mhc_mixes_split` return the split of the mixes instead (the Sinkhorn epilogue below).
 
 Layout and grid. M = B·T tokens; h rows (token stride, stream stride, contiguous d), outputs
 contiguous. A program owns BLOCK_T tokens (the M dimension of `tl.dot`) and one span of d, walked in
@@ -71,6 +72,22 @@ per-chunk pipeline (e.g. a persistent program per SM holding a tall tile's proje
 while it walks short token slices), or project in a separate pass over h_new (+0.67 GB read) behind
 a stream at 80 %.
 
+Sinkhorn epilogue (`mhc_post_split`, `mhc_mixes_split`; the model's inference hand-overs). The split of
+the mixes runs in the kernel that writes them, one launch less per hand-over. With d split (M ≤ 8,320
+tokens at the defaults on 132 SMs: decode, the bounded replay, prefill chunks — `_plan`)
+`_mhc_finish_kernel` stores its tokens' mixes, passes a barrier and reloads them for `_sinkhorn_rows` at the
+split kernel's own tile and warps (`split_launch`), hence the same layout and the same sums in the same
+order: bit-identical to pass + finish + split (sm_90a TTGIR compiled on the CPU, 2026-12-06: the same
+(BLOCK, 4, 4) encoding and the same ops as `_mhc_split_kernel` at M = 64 and 4096). An unsplit pass keeps
+the separate split kernel unless `split_in_pass`: there the rounds would run on the pass's own tile, whose
+layout differs (TTGIR at 128 tokens × 8 warps: sizePerThread [1, 1, 4], threadsPerWarp [32, 1, 1],
+warpsPerCTA [4, 2, 1], against [1, 1, 4] / [8, 4, 1] / [1, 1, 1] for the split kernel at BLOCK 8), so the
+column sums add in another order — ulps apart, not bits — and 8 cells per thread lengthen the 40 dependent
+normalizations (the split kernel at 64 tokens × 4 warps took ~15 µs against 4.0 µs at BLOCK 2, H200
+2026-12-04, `split_launch`) at the end of a pass of ≥ 0.3 ms, for one launch saved. (The split kernel's own
+row sums already depend on BLOCK: across lanes, (a + b) + (c + d), at BLOCK 2; in a thread, ((a + b) + c) + d,
+at BLOCK 8.)
+
 Interpreter note: TRITON_INTERPRET's fp32 → bf16 cast truncates, so there (EXACT_CAST) the rounding
 of h_new and x to bf16 is done with integer bit arithmetic (round to nearest even, exact); the GPU
 uses the hardware conversion, which rounds the same way.
@@ -80,6 +97,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import NamedTuple
 
 import torch
 import triton
@@ -233,7 +251,9 @@ def _fn_tile(fn_ptr, s_fnk, col, col_ok, kk, K_OUT: tl.constexpr):
 
 @jit_sizes("M")
 def _mhc_pass_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, hnew_ptr, x_ptr, mix_ptr, part_ptr, sq_ptr,
-                     M, D, norm_eps, s_ht, s_hn, s_ft, s_fnk, N_IT: tl.constexpr,
+                     scale_ptr, base_ptr, npre_ptr, npost_ptr, ncomb_ptr,
+                     M, D, norm_eps, hc_eps, s_mix, s_ht, s_hn, s_ft, s_fnk, N_IT: tl.constexpr,
+                     SINKHORN: tl.constexpr, ITERS: tl.constexpr,
                      POST: tl.constexpr, HAS_FN: tl.constexpr, FINAL: tl.constexpr, OUT_BF16: tl.constexpr,
                      A_BF16: tl.constexpr, EXACT_CAST: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
                      K_OUT: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -271,6 +291,9 @@ def _mhc_pass_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, fn_ptr, hnew_ptr
 
     if HAS_FN:
         _store_mixes(acc, sq, mix_ptr, part_ptr, sq_ptr, rows64, row_ok, kk, pid_s, M, D, norm_eps, FINAL, K_OUT, KP)
+        if FINAL:  # this program wrote its tokens' mixes: with SINKHORN (`split_in_pass`) it splits them too
+            _split_epilogue(mix_ptr, scale_ptr, base_ptr, npre_ptr, npost_ptr, ncomb_ptr, M, hc_eps, s_mix,
+                            SINKHORN, ITERS, BLOCK_T)
 
 
 @triton.jit
@@ -359,7 +382,9 @@ def _load5_tma(h_desc, f_desc, t0, c0, BLOCK_T: tl.constexpr, BLOCK_D: tl.conste
 
 @jit_sizes("M")
 def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr, x_ptr, mix_ptr, part_ptr, sq_ptr,
-                      h_desc, f_desc, M, D, norm_eps, s_ht, s_hn, s_ft, s_wp, N_IT: tl.constexpr,
+                      scale_ptr, base_ptr, npre_ptr, npost_ptr, ncomb_ptr, h_desc, f_desc,
+                      M, D, norm_eps, hc_eps, s_mix, s_ht, s_hn, s_ft, s_wp, N_IT: tl.constexpr,
+                      SINKHORN: tl.constexpr, ITERS: tl.constexpr,
                       POST: tl.constexpr, HAS_FN: tl.constexpr, FINAL: tl.constexpr, OUT_BF16: tl.constexpr,
                       A_BF16: tl.constexpr, EXACT_CAST: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr,
                       CAT: tl.constexpr, TMA: tl.constexpr, K_OUT: tl.constexpr, KP: tl.constexpr,
@@ -433,11 +458,17 @@ def _mhc_fused_kernel(h_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hnew_ptr
 
     if HAS_FN:
         _store_mixes(acc, sq, mix_ptr, part_ptr, sq_ptr, rows64, row_ok, kk, pid_s, M, D, norm_eps, FINAL, K_OUT, KP)
+        if FINAL:  # this program wrote its tokens' mixes: with SINKHORN (`split_in_pass`) it splits them too
+            _split_epilogue(mix_ptr, scale_ptr, base_ptr, npre_ptr, npost_ptr, ncomb_ptr, M, hc_eps, s_mix,
+                            SINKHORN, ITERS, BLOCK_T)
 
 
 @jit_sizes("M")
-def _mhc_finish_kernel(part_ptr, sq_ptr, mix_ptr, M, D, norm_eps, SPLIT: tl.constexpr,
-                       K_OUT: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr):
+def _mhc_finish_kernel(part_ptr, sq_ptr, mix_ptr, scale_ptr, base_ptr, npre_ptr, npost_ptr, ncomb_ptr, M, D, norm_eps,
+                       hc_eps, s_mix, SPLIT: tl.constexpr, K_OUT: tl.constexpr, KP: tl.constexpr,
+                       BLOCK_T: tl.constexpr, SINKHORN: tl.constexpr, ITERS: tl.constexpr):
+    """mixes of BLOCK_T tokens from the SPLIT partial projections (fixed order: deterministic), then with
+    SINKHORN their split (`_sinkhorn_rows`)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)
@@ -451,6 +482,21 @@ def _mhc_finish_kernel(part_ptr, sq_ptr, mix_ptr, M, D, norm_eps, SPLIT: tl.cons
     r = tl.math.rsqrt(sq / (4 * D) + norm_eps)
     mask = row_ok[:, None] & (kk[None, :] < K_OUT)
     tl.store(mix_ptr + rows64[:, None] * K_OUT + kk[None, :], acc * r[:, None], mask=mask)
+    _split_epilogue(mix_ptr, scale_ptr, base_ptr, npre_ptr, npost_ptr, ncomb_ptr, M, hc_eps, s_mix, SINKHORN, ITERS,
+                    BLOCK_T)
+
+
+@triton.jit
+def _split_epilogue(mix_ptr, scale_ptr, base_ptr, npre_ptr, npost_ptr, ncomb_ptr, M, hc_eps, s_mix,
+                    SINKHORN: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """With SINKHORN, the split of the mixes rows this program has just stored (its BLOCK_T tokens): the
+    barrier (bar.sync, CTA-scope memory ordering) makes every thread's global stores visible to the program's
+    other threads, which then reload the rows in the split's (BLOCK_T, 4, 4) layout — one launch instead of
+    two (`_sinkhorn_rows`)."""
+    if SINKHORN:
+        tl.debug_barrier()
+        _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, npre_ptr, npost_ptr, ncomb_ptr, M, hc_eps, s_mix, ITERS, 4, 4,
+                       BLOCK_T)  # n = NP = 4 streams, as the pass
 
 
 @triton.jit
@@ -465,10 +511,16 @@ def _split_setup(mix_ptr, scale_ptr, M, s_mt, N: tl.constexpr, NP: tl.constexpr,
     return rows < M, rows64, j, j < N, s0, s1, s2, mix_ptr + rows64 * s_mt
 
 
-@jit_sizes("M")
-def _mhc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M, eps, s_mt,
-                      ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
-    """BLOCK tokens per program; each token's n×n matrix lives in registers as a (BLOCK, NP, NP) slice."""
+@triton.jit
+def _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M, eps, s_mt,
+                   ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+    """The Sinkhorn split of this program's BLOCK tokens (`tl.program_id(0)`): mixes rows (stride s_mt) →
+    pre (M, N), post (M, N), comb (M, N, N) fp32, each token's n×n matrix in registers as a (BLOCK, NP, NP)
+    slice. The body of `_mhc_split_kernel`, and the epilogue of the kernels that write the mixes
+    (`_mhc_finish_kernel`; a FINAL pass with `split_in_pass`), which reload their own rows after a barrier.
+    The `tl.sum`s of the normalizations add their n terms in an order set by the layout Triton gives the
+    slice, which depends on BLOCK and num_warps (module docstring): a caller that must agree with
+    `_mhc_split_kernel` bit for bit runs it at `split_launch`'s BLOCK and warps with the same runtime s_mt."""
     row_ok, rows64, j, j_ok, s0, s1, s2, mix_row = _split_setup(mix_ptr, scale_ptr, M, s_mt, N, NP, BLOCK)
 
     ok2 = row_ok[:, None] & j_ok[None, :]
@@ -497,6 +549,13 @@ def _mhc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
         comb = tl.math.div_rn(comb, tl.sum(comb, axis=2)[:, :, None] + eps)  # rows
         comb = tl.math.div_rn(comb, tl.sum(comb, axis=1)[:, None, :] + eps)  # columns
     tl.store(comb_ptr + rows64[:, None, None] * (N * N) + i3 * N + j3, comb, mask=ok3)
+
+
+@jit_sizes("M")
+def _mhc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M, eps, s_mt,
+                      ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+    """BLOCK tokens per program (`_sinkhorn_rows`)."""
+    _sinkhorn_rows(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M, eps, s_mt, ITERS, N, NP, BLOCK)
 
 
 @triton.jit
@@ -680,11 +739,40 @@ def _tma_ready(*ts: Tensor) -> bool:
     return True
 
 
+class Sinkhorn(NamedTuple):
+    """The split a pass applies to the mixes it writes (`mhc_post_split`, `mhc_mixes_split`): `mhc_split`'s
+    arguments for n = 4 streams."""
+
+    hc_scale: Tensor  # (3,)
+    hc_base: Tensor  # ((2+n)·n,)
+    iters: int
+    eps: float
+
+
+def _sinkhorn_args(name: str, h: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int,
+                   eps: float) -> Sinkhorn:
+    n = h.size(2)
+    k = (2 + n) * n
+    _require(hc_mult == n, f"{name}: hc_mult = {hc_mult} but h has {n} streams")
+    _require(tuple(hc_scale.shape) == (3,), f"{name}: hc_scale must be (3,), got {tuple(hc_scale.shape)}")
+    _require(tuple(hc_base.shape) == (k,), f"{name}: hc_base must be ({k},), got {tuple(hc_base.shape)}")
+    _require(iters >= 0, f"{name}: iters must be ≥ 0, got {iters}")
+    for what, t in (("hc_scale", hc_scale), ("hc_base", hc_base)):
+        _require(t.is_floating_point() and t.device == h.device,
+                 f"{name}: {what} must be a float tensor on {h.device}, got {t.dtype} on {t.device}")
+    return Sinkhorn(hc_scale, hc_base, int(iters), float(eps))
+
+
 def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor | None, pre: Tensor | None,
-                 hc_fn: Tensor | None, norm_eps: float, block_t: int | None, block_d: int | None, split: int | None,
-                 precision: str | None, num_warps: int | None, num_stages: int | None, design: str | None,
-                 prefetch: bool, cat: int | None, fn_cols: int, tma: bool | None = None
-                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+                 hc_fn: Tensor | None, norm_eps: float, block_t: int | None = None, block_d: int | None = None,
+                 split: int | None = None, precision: str | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None, design: str | None = None, prefetch: bool = False,
+                 cat: int | None = None, fn_cols: int = 32, tma: bool | None = None, sinkhorn: Sinkhorn | None = None,
+                 split_in_pass: bool = False
+                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, tuple[Tensor, Tensor, Tensor] | None]:
+    """(h_new, x, mixes, with `sinkhorn` the split of the mixes (pre, post, comb)) — see `mhc_post`. With d split,
+    the split is `_mhc_finish_kernel`'s epilogue; an unsplit pass is followed by `_mhc_split_kernel`, or with
+    `split_in_pass` splits in its own epilogue (the module docstring's "Sinkhorn epilogue")."""
     B, T, n, d = h.shape
     M, K = B * T, (2 + n) * n
     dev = h.device
@@ -693,8 +781,11 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
     h_new = _empty((B, T, n, d), out_dtype, dev) if post_pass else None
     x = _empty((B, T, d), out_dtype, dev) if post_pass else None
     mixes = _empty((B, T, K), torch.float32, dev) if hc_fn is not None else None
+    coefs = None
+    if sinkhorn is not None:  # pre (B, T, n), post (B, T, n), comb (B, T, n, n) fp32, as `mhc_split`'s
+        coefs = tuple(_empty((B, T, *shape), torch.float32, dev) for shape in ((n,), (n,), (n, n)))
     if M == 0:
-        return h_new, x, mixes
+        return h_new, x, mixes, coefs
     precision = precision or "split"
     _require(precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {precision!r}")
     _require(design is None or design in DESIGNS, f"design must be one of {DESIGNS}, got {design!r}")
@@ -744,6 +835,7 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
         _require(not explicit_tma, f"mhc: tma=True needs block_t and block_d ≤ 256, got {bt}, {bd}")
         tma = False
     final = split == 1 or hc_fn is None
+    in_pass = sinkhorn is not None and final and bool(split_in_pass)
     if final:
         part = sq = h2  # unused
     else:
@@ -752,10 +844,18 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
     if bt < 64:  # a 16/32-token tile (decode) has too little work for 8 warps
         num_warps = min(num_warps, 4)
     grid = (triton.cdiv(M, bt), split)
+    # the split's inputs and outputs (dummies without it); s_mix = K stays a runtime argument (`_sinkhorn_rows`)
+    if sinkhorn is not None:
+        split_args = (sinkhorn.hc_scale.contiguous(), sinkhorn.hc_base.contiguous(), *coefs)
+        split_eps, iters = float(sinkhorn.eps), int(sinkhorn.iters)
+    else:
+        split_args, split_eps, iters = (h2,) * 5, 0.0, 0
     common = dict(POST=post_pass, HAS_FN=hc_fn is not None, FINAL=final, OUT_BF16=out_dtype == torch.bfloat16,
                   A_BF16=out_dtype == torch.bfloat16, EXACT_CAST=interpreting(), DOT=dot_dtype(),
+                  SINKHORN=in_pass, ITERS=iters if in_pass else 0,  # 0 without the epilogue: one compiled variant
                   K_OUT=K, KP=32, BLOCK_T=bt, BLOCK_D=bd, num_warps=num_warps, num_stages=num_stages)
-    outs = (h_new if post_pass else h2, x if post_pass else h2, mixes if mixes is not None else h2, part, sq)
+    outs = (h_new if post_pass else h2, x if post_pass else h2, mixes if mixes is not None else h2, part, sq,
+            *split_args)
     if design == "fused":
         _require(fn_cols in (24, 32), f"fn_cols must be 24 or 32, got {fn_cols}")
         cat = CAT_DEFAULT[post_pass] if cat is None else cat
@@ -766,17 +866,23 @@ def _launch_pass(h: Tensor, f: Tensor | None, post: Tensor | None, comb: Tensor 
             f_desc = TensorDescriptor.from_tensor(f2, [bt, bd]) if post_pass else h_desc
         w = _fn_planes(fn, d, split * n_it * bd, fn_cols) if hc_fn is not None else h2
         _mhc_fused_kernel[grid](
-            h2, f2, post2, comb2, pre2, w, *outs, h_desc, f_desc, M, d, float(norm_eps), h2.stride(0), h2.stride(1),
-            f2.stride(0), w.stride(0), N_IT=n_it, PREFETCH=bool(prefetch) and not tma, CAT=int(cat), TMA=tma,
-            KW=fn_cols, **common)
+            h2, f2, post2, comb2, pre2, w, *outs, h_desc, f_desc, M, d, float(norm_eps), split_eps, K, h2.stride(0),
+            h2.stride(1), f2.stride(0), w.stride(0), N_IT=n_it, PREFETCH=bool(prefetch) and not tma, CAT=int(cat),
+            TMA=tma, KW=fn_cols, **common)
     else:
         _mhc_pass_kernel[grid](
-            h2, f2, post2, comb2, pre2, fn, *outs, M, d, float(norm_eps), h2.stride(0), h2.stride(1),
+            h2, f2, post2, comb2, pre2, fn, *outs, M, d, float(norm_eps), split_eps, K, h2.stride(0), h2.stride(1),
             f2.stride(0), fn.stride(0), N_IT=n_it, PRECISION=precision, **common)
     if not final:
-        _mhc_finish_kernel[(triton.cdiv(M, 64),)](part, sq, mixes, M, d, float(norm_eps), SPLIT=split,
-                                                  K_OUT=K, KP=32, BLOCK_T=64, num_warps=4)
-    return h_new, x, mixes
+        # with the split, the finish program takes the split kernel's tile and warps (`split_launch`): the same
+        # layout of the Sinkhorn rounds, so the same sums in the same order (module docstring)
+        fb, fw = split_launch(M, dev) if sinkhorn is not None else (64, 4)
+        _mhc_finish_kernel[(triton.cdiv(M, fb),)](part, sq, mixes, *split_args, M, d, float(norm_eps), split_eps, K,
+                                                  SPLIT=split, K_OUT=K, KP=32, BLOCK_T=fb,
+                                                  SINKHORN=sinkhorn is not None, ITERS=iters, num_warps=fw)
+    elif sinkhorn is not None and not in_pass:
+        _launch_split(mixes.view(M, K), *split_args, M, n, iters, split_eps, *split_launch(M, dev))
+    return h_new, x, mixes, coefs
 
 
 def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor | None, norm_eps: float,
@@ -795,17 +901,35 @@ def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_f
     ≤ 256; True raises where it cannot). None block sizes / warps / stages take
     `DEFAULTS["fused_tma"]` with TMA, `DEFAULTS["stream"]` for legacy without hc_fn, else
     `DEFAULTS[design]`."""
-    B, T, n, d = _check_streams("mhc_post", h, hc_fn)
-    _require(tuple(f.shape) == (B, T, d), f"mhc_post: f must be {(B, T, d)}, got {tuple(f.shape)}")
-    _require(f.dtype in FLOATS, f"mhc_post: f must be float32 or bfloat16, got {f.dtype}")
-    for name, t, shape in (("post", post, (B, T, n)), ("comb", comb, (B, T, n, n)), ("pre", pre, (B, T, n))):
-        _require(tuple(t.shape) == shape, f"mhc_post: {name} must be {shape}, got {tuple(t.shape)}")
-        _require(t.is_floating_point(), f"mhc_post: {name} must be floating point, got {t.dtype}")
-    for name, t in (("f", f), ("post", post), ("comb", comb), ("pre", pre)):
-        _require(t.device == h.device, f"mhc_post: {name} is on {t.device}, h on {h.device}")
-    h_new, x, mixes = _launch_pass(h, f, post, comb, pre, hc_fn, norm_eps, block_t, block_d, split, precision,
-                                   num_warps, num_stages, design, prefetch, cat, fn_cols, tma)
+    _check_post("mhc_post", h, f, post, comb, pre, hc_fn)
+    h_new, x, mixes, _ = _launch_pass(h, f, post, comb, pre, hc_fn, norm_eps, block_t, block_d, split, precision,
+                                      num_warps, num_stages, design, prefetch, cat, fn_cols, tma)
     return h_new, x, mixes
+
+
+def _check_post(name: str, h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor | None
+                ) -> None:
+    B, T, n, d = _check_streams(name, h, hc_fn)
+    _require(tuple(f.shape) == (B, T, d), f"{name}: f must be {(B, T, d)}, got {tuple(f.shape)}")
+    _require(f.dtype in FLOATS, f"{name}: f must be float32 or bfloat16, got {f.dtype}")
+    for what, t, shape in (("post", post, (B, T, n)), ("comb", comb, (B, T, n, n)), ("pre", pre, (B, T, n))):
+        _require(tuple(t.shape) == shape, f"{name}: {what} must be {shape}, got {tuple(t.shape)}")
+        _require(t.is_floating_point(), f"{name}: {what} must be floating point, got {t.dtype}")
+    for what, t in (("f", f), ("post", post), ("comb", comb), ("pre", pre)):
+        _require(t.device == h.device, f"{name}: {what} is on {t.device}, h on {h.device}")
+
+
+def mhc_post_split(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor, norm_eps: float,
+                   hc_scale: Tensor, hc_base: Tensor, hc_mult: int, iters: int, hc_eps: float, **knobs
+                   ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """`mhc_post`, then `mhc_split` of its mixes in the kernel that writes them (see `ops.mhc_post_split`):
+    (h_new, x, (pre, post, comb)). `knobs`: `mhc_post`'s, and `split_in_pass` (an unsplit pass splits in its
+    own epilogue instead of a split kernel after it: one launch less, ulps from it on a GPU; module docstring)."""
+    _require(hc_fn is not None, "mhc_post_split: hc_fn is required")
+    _check_post("mhc_post_split", h, f, post, comb, pre, hc_fn)
+    sinkhorn = _sinkhorn_args("mhc_post_split", h, hc_scale, hc_base, hc_mult, iters, hc_eps)
+    h_new, x, _, coefs = _launch_pass(h, f, post, comb, pre, hc_fn, norm_eps, sinkhorn=sinkhorn, **knobs)
+    return h_new, x, coefs
 
 
 def mhc_mixes(h: Tensor, hc_fn: Tensor, norm_eps: float, *, block_t: int | None = None, block_d: int | None = None,
@@ -817,6 +941,16 @@ def mhc_mixes(h: Tensor, hc_fn: Tensor, norm_eps: float, *, block_t: int | None 
     _check_streams("mhc_mixes", h, hc_fn)
     return _launch_pass(h, None, None, None, None, hc_fn, norm_eps, block_t, block_d, split, precision,
                         num_warps, num_stages, design, prefetch, cat, fn_cols, tma)[2]
+
+
+def mhc_mixes_split(h: Tensor, hc_fn: Tensor, norm_eps: float, hc_scale: Tensor, hc_base: Tensor, hc_mult: int,
+                    iters: int, hc_eps: float, **knobs) -> tuple[Tensor, Tensor, Tensor]:
+    """`mhc_mixes`, then `mhc_split` in the kernel that writes the mixes (see `ops.mhc_mixes_split`):
+    (pre, post, comb). `knobs`: `mhc_mixes`'s and `split_in_pass` (as `mhc_post_split`)."""
+    _require(hc_fn is not None, "mhc_mixes_split: hc_fn is required")
+    _check_streams("mhc_mixes_split", h, hc_fn)
+    sinkhorn = _sinkhorn_args("mhc_mixes_split", h, hc_scale, hc_base, hc_mult, iters, hc_eps)
+    return _launch_pass(h, None, None, None, None, hc_fn, norm_eps, sinkhorn=sinkhorn, **knobs)[3]
 
 
 def mhc_split_backward(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, g_pre: Tensor | None,
@@ -893,7 +1027,13 @@ def mhc_split(mixes: Tensor, hc_scale: Tensor, hc_base: Tensor, hc_mult: int, it
     m2 = mixes.reshape(M, K)
     if m2.stride(1) != 1:
         m2 = m2.contiguous()
-    _mhc_split_kernel[(triton.cdiv(M, block),)](
-        m2, hc_scale.contiguous(), hc_base.contiguous(), pre, post, comb, M, float(eps), m2.stride(0),
-        ITERS=int(iters), N=n, NP=triton.next_power_of_2(n), BLOCK=block, num_warps=num_warps)
+    _launch_split(m2, hc_scale.contiguous(), hc_base.contiguous(), pre, post, comb, M, n, iters, eps, block, num_warps)
     return pre, post, comb
+
+
+def _launch_split(m2: Tensor, hc_scale: Tensor, hc_base: Tensor, pre: Tensor, post: Tensor, comb: Tensor, M: int,
+                  n: int, iters: int, eps: float, block: int, num_warps: int) -> None:
+    """`_mhc_split_kernel` over mixes rows m2 (M, (2+n)·n) (unit column stride) into pre, post, comb."""
+    _mhc_split_kernel[(triton.cdiv(M, block),)](
+        m2, hc_scale, hc_base, pre, post, comb, M, float(eps), m2.stride(0), ITERS=int(iters), N=n,
+        NP=triton.next_power_of_2(n), BLOCK=block, num_warps=num_warps)
