@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     common.runnable = lambda t: True  # the launchers' "on CUDA?" check: we only compile
     common.CAPABILITY_OVERRIDE = (TARGET.arch // 10, TARGET.arch % 10)  # what the launchers plan for
-    for mod in ("attention", "indexer", "mhc", "cache_write"):
+    for mod in ("attention", "indexer", "mhc", "mhc_train", "cache_write"):
         m = importlib.import_module(f"dsv41.kernels.triton.{mod}")
         if hasattr(m, "runnable"):
             m.runnable = common.runnable

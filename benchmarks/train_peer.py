@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
               "compile": args.compile, "tokens_per_step": B * T, "ceilings": ceilings(args.device),
               "ns_dtype": str(NS_DTYPES[args.ns_dtype] or ns_dtype_for(args.device, "bf16")).removeprefix("torch."),
               "triton_sinkhorn_backward": cuda and os.environ.get("DSV41_TRITON_SINKHORN_BACKWARD", "1") != "0",
+              "triton_mhc_backward": cuda and os.environ.get("DSV41_TRITON_MHC_BACKWARD", "1") != "0",
               "errors": []}
     peak_tflops = report["ceilings"].get("bf16_matmul_tflops")
 

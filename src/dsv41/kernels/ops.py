@@ -228,7 +228,14 @@ def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_f
       x     = Σ_j pre_j·h_new_j          (B, T, d) in f's dtype,
       mixes = (flatten(h_new) @ hc_fnᵀ)·rsqrt(mean(flatten(h_new)²) + norm_eps)  (B, T, (2+n)·n)
               fp32 from the rounded h_new, or None when hc_fn is None.
+    Under a gradient where `_mhc_post_trains_on_triton` (forced, or CUDA unless DSV41_TRITON_MHC_BACKWARD=0) it
+    trains through `kernels.triton.mhc_train.MhcPostTrain`: this pass forward, one backward kernel (+ the weight's
+    gradient), where the twin runs its three autograd Functions (`model.mhc`).
     """
+    if needs_grad(h, f, post, comb, pre, hc_fn) and not torch.compiler.is_compiling() \
+            and _mhc_post_trains_on_triton(h, f, hc_fn):
+        train = importlib.import_module("dsv41.kernels.triton.mhc_train").mhc_post_train
+        return train(h, f, post, comb, pre, hc_fn, norm_eps)
     fn = _impl("mhc", "mhc_post", h, f, post, comb, pre, hc_fn, supported=_MHC_FLOATS.issuperset((h.dtype, f.dtype)))
     return fn(h, f, post, comb, pre, hc_fn, norm_eps)
 
@@ -299,6 +306,20 @@ def _trains_on_triton(*tensors: Tensor) -> bool:
         return forced
     opted_out = os.environ.get("DSV41_TRITON_SINKHORN_BACKWARD", "1") == "0"
     return not opted_out and HAVE_TRITON and all(t.is_cuda for t in tensors)
+
+
+def _mhc_post_trains_on_triton(h: Tensor, f: Tensor, hc_fn: Tensor | None) -> bool:
+    """`mhc_post` under a gradient runs `MhcPostTrain` (issue 18): forced, or `auto` with h, f (and hc_fn) on CUDA,
+    fp32 / bf16 streams and n = 4 (what the kernels take), unless DSV41_TRITON_MHC_BACKWARD=0 (the twin's
+    Functions). Tests: `tests/kernels/test_mhc_backward.py` (the kernels against fp64 autograd, on the CPU
+    interpreter; its `gpu` cases at `small` widths)."""
+    forced = _forced()
+    if forced is not None:
+        return forced
+    if os.environ.get("DSV41_TRITON_MHC_BACKWARD", "1") == "0" or not HAVE_TRITON:
+        return False
+    shapes_ok = h.dim() == 4 and h.size(-2) == 4 and _MHC_FLOATS.issuperset((h.dtype, f.dtype))
+    return shapes_ok and all(t.is_cuda for t in (h, f, hc_fn) if t is not None)
 
 
 class _SinkhornSplit(torch.autograd.Function):
