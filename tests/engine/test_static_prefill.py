@@ -200,6 +200,39 @@ def test_gpu_engine_with_static_prefill_decodes_as_the_host_path():
     assert same >= len(prompts) - 1, outputs  # bf16: a near-tie may flip one greedy token (and its stream)
 
 
+def test_prefill_defaults_follow_where_the_runs_replay_graphs():
+    """Without CUDA graphs (here: the CPU, static prefill on or off) the engine prefills beside decoding streams in
+    4-layer pieces of 2048-token runs; explicit values are kept; bad ones are refused. (With graphs — whole runs of
+    128 tokens, one replay each — `test_gpu_prefill_defaults_are_whole_graphed_runs_of_128_tokens`.)"""
+    from dsv41.engine.engine import HOST_PREFILL_CHUNK, Engine
+
+    model = _model(97)
+    for static in (None, True):
+        engine = Engine(model, max_batch=2, static_prefill=static)
+        assert (engine.prefill_chunk, engine.scheduler.prefill_layers) == (HOST_PREFILL_CHUNK, 4) == (2048, 4)
+        assert engine.scheduler.token_budget == 2048 + 2
+    engine = Engine(model, max_batch=2, prefill_chunk=96, prefill_layers=None)
+    assert (engine.prefill_chunk, engine.scheduler.prefill_layers, engine.scheduler.token_budget) == (96, None, 98)
+    for bad in (dict(prefill_layers="whole"), dict(prefill_chunk=0)):
+        with pytest.raises(ValueError, match="prefill_layers|prefill_chunk"):
+            Engine(model, max_batch=2, **bad)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_prefill_defaults_are_whole_graphed_runs_of_128_tokens():
+    """With CUDA graphs and static prefill (no drafter) the defaults are whole runs of 128 tokens beside the
+    streams; without static prefill the host path's 2048-token runs in 4-layer pieces."""
+    from dsv41.engine.engine import STATIC_PREFILL_CHUNK, Engine, cast_for_engine
+
+    model = cast_for_engine(_model(98).cuda(), torch.bfloat16)
+    engine = Engine(model, max_batch=2)
+    assert engine.static is not None and engine.static.graphs
+    assert (engine.prefill_chunk, engine.scheduler.prefill_layers) == (STATIC_PREFILL_CHUNK, None) == (128, None)
+    engine = Engine(model, max_batch=2, static_prefill=False)
+    assert (engine.prefill_chunk, engine.scheduler.prefill_layers) == (2048, 4)
+
+
 @pytest.mark.parametrize("prefill_layers", [None, 2], ids=["whole-runs", "layer-budget"])
 def test_the_engine_runs_whole_prefill_runs_from_static_steps(monkeypatch, prefill_layers):
     """`Engine(static_prefill=True)` (static steps run eagerly on the CPU) samples every token from the logits the

@@ -31,7 +31,10 @@ from dsv41.config import ConfigError
 
 def add_prefill_options(p: argparse.ArgumentParser) -> None:
     """The engine's prefill flags, shared by `generate` and `serve`."""
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill chunk")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens per prefill run while other requests decode (default: 128 with static prefill "
+                        "from CUDA graphs, each run whole beside the streams; else 2048, in 4-layer pieces; "
+                        "docs/engine.md)")
     p.add_argument("--static-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="run whole prefill chunks and the decoder replay from static steps at power-of-two shapes, "
                         "replayed from CUDA graphs (docs/engine.md; default: on with CUDA graphs)")
@@ -209,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.prefill_chunk < 1 or (args.idle_prefill_chunk is not None and args.idle_prefill_chunk < 0):
+    chunk, idle = args.prefill_chunk, args.idle_prefill_chunk
+    if (chunk is not None and chunk < 1) or (idle is not None and idle < 0):
         raise ConfigError(f"--prefill-chunk must be >= 1 and --idle-prefill-chunk >= 0, got {args.prefill_chunk}, "
                           f"{args.idle_prefill_chunk}")
     try:

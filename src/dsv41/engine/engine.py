@@ -78,6 +78,12 @@ class StepOutput:
 
 
 IDLE_PREFILL_CHUNK = 16384  # `Engine(idle_prefill_chunk=None)` on CUDA: the chunk of a step without decode rows
+HOST_PREFILL_CHUNK = 2048  # `Engine(prefill_chunk=None)` where prefill runs on the host path
+# `Engine(prefill_chunk=None)` with static prefill from CUDA graphs (and no drafter): whole runs of 128 tokens beside
+# the decoding streams — 64 streams at 4K while four 32K prompts arrive, H100 2026-12-06: p99 gap 1.93x the unloaded
+# p50 and first tokens after 0.8-3.1 s, against 5.56x and 1.9-10.5 s with one-layer host pieces of 512 tokens
+# (benchmarks/results/decode_load-2026-12-06-h100-{static-128,layers1-512}.json)
+STATIC_PREFILL_CHUNK = 128
 _PENDING = -1  # a cache's token id that an in-flight step is still computing (`Engine(overlap=True)`)
 
 
@@ -187,18 +193,20 @@ def _keep_fp32_weights_in_fp32(model: Transformer) -> None:
 
 
 class Engine:
-    def __init__(self, model: Transformer, *, prefill_chunk: int = 2048, max_batch: int = 64,
-                 token_budget: int | None = None, prefill_layers: int | None = 4, exact_prefill: bool = False,
-                 prefix_cache: PrefixCache | None = None, max_seq_len: int | None = None,
+    def __init__(self, model: Transformer, *, prefill_chunk: int | None = None, max_batch: int = 64,
+                 token_budget: int | None = None, prefill_layers: int | str | None = "auto",
+                 exact_prefill: bool = False, prefix_cache: PrefixCache | None = None, max_seq_len: int | None = None,
                  max_tokens: int | None = None, cuda_graphs: bool | None = None, graph_min_entries: int = 1024,
                  page_rows: int = PAGE_ROWS, drafter: Drafter | None = None, step_time: StepTimeCurve | None = None,
                  speculate: str = "auto", batch_prefill: bool = True, overlap: bool | None = None,
                  idle_prefill_chunk: int | None = None, static_prefill: bool | None = None):
         """max_seq_len bounds one sequence (default: the config's); max_tokens sizes the global-KV
         pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
-        max_seq_len); token_budget = tokens per step (default prefill_chunk + max_batch); prefill_layers =
-        layer passes of prefill per step while sequences decode (a chunk through 4 layers by default; None:
-        whole chunks), which bounds the eager work a step adds to the streams' token gaps;
+        max_seq_len); prefill_chunk = prompt tokens per prefill run while sequences decode (default: 128 where
+        static prefill runs from CUDA graphs without a drafter — STATIC_PREFILL_CHUNK —, else 2048); token_budget =
+        tokens per step (default prefill_chunk + max_batch); prefill_layers = layer passes of prefill per step while
+        sequences decode (None: whole runs; "auto", the default: whole runs where static prefill runs from CUDA
+        graphs without a drafter, else 4), which bounds the eager work a step adds to the streams' token gaps;
         cuda_graphs: replay decode steps from CUDA graphs (default: on CUDA devices); page_rows =
         entries per page of the global-KV pools. drafter: speculative decoding (off when None);
         step_time: its step-time curve (default: profiled here on the static steps, `profile_step_time`);
@@ -219,17 +227,30 @@ class Engine:
         off elsewhere."""
         if speculate not in ("auto", "always"):
             raise ValueError(f"speculate must be 'auto' or 'always', got {speculate!r}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if isinstance(prefill_layers, str) and prefill_layers != "auto":
+            raise ValueError(f"prefill_layers must be a count, None or 'auto', got {prefill_layers!r}")
         self.model = model.eval()
         self.config = c = model.config
         self.device = next(model.parameters()).device
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.runner = Runner(model)
+        if static_prefill is None:
+            static_prefill = use_graphs and encoder_only_supported(self.runner)
+        # whole static runs of small chunks beside the streams: where they replay from graphs and no drafter
+        # captures features (those jobs run on the host path, where a short whole run costs ~820 launches)
+        graphed_runs = bool(static_prefill) and use_graphs and drafter is None
+        if prefill_chunk is None:
+            prefill_chunk = STATIC_PREFILL_CHUNK if graphed_runs else HOST_PREFILL_CHUNK
+        if prefill_layers == "auto":
+            prefill_layers = None if graphed_runs else 4
         self.prefill_chunk, self.max_batch, self.exact_prefill = prefill_chunk, max_batch, exact_prefill
         self.prefix_cache = prefix_cache
         self.max_seq_len = int(max_seq_len or c.max_seq_len)
         max_tokens = max(self.max_seq_len, max_tokens or min(self.max_seq_len * max_batch, 1 << 20))
         self.pools = BlockManager(c, self.device, max_slots=max_batch, max_tokens=max_tokens,
                                   max_seq_len=self.max_seq_len, page_rows=page_rows)
-        self.runner = Runner(model)
-        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.drafter = drafter
         self.feature_ring = None  # (slots + 1, W, n, dim): the drafter's features of plainly decoded tokens
         self.vio = self.vgraphs = None  # the static verification step (T = k + 1) and its graphs
@@ -284,8 +305,6 @@ class Engine:
             idle_prefill_chunk = max(prefill_chunk, IDLE_PREFILL_CHUNK) if self.device.type == "cuda" else 0
         if idle_prefill_chunk < 0:
             raise ValueError(f"idle_prefill_chunk must be >= 0 (0: off), got {idle_prefill_chunk}")
-        if static_prefill is None:
-            static_prefill = use_graphs and encoder_only_supported(self.runner)
         self.static = None  # StaticPrefill: the whole prefill runs of plain prompts (`PrefillJob(static=)`)
         if static_prefill:
             top = max(prefill_chunk, idle_prefill_chunk)

@@ -115,7 +115,7 @@ def free_memory_bytes(device) -> int:
 def build_server(model, tok, *, model_name: str, max_batch: int = 32, max_queue: int = 256,
                  kv_budget_bytes: int | None = None, timeout_s: float | None = 600.0,
                  api_key: str | list[str] | None = None, max_body_bytes: int = 8 * 2**20, prefix_cache=None,
-                 prefill_chunk: int = 2048, engine_options: dict | None = None, **app_options):
+                 prefill_chunk: int | None = None, engine_options: dict | None = None, **app_options):
     """(app, scheduler) for a loaded model: what `dsv41 serve`, the tests and the load benchmark run.
     `app_options` go to `create_app` (allowed_hosts, cors_origins, body_timeout_s, max_concurrent_tokenize);
     `engine_options` to the Engine (the speculative drafter)."""
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--api-key must not be empty")
     for name in ("max_batch", "max_queue", "max_body_bytes", "prefix_stride", "max_concurrent_tokenize",
                  "prefill_chunk"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.idle_prefill_chunk is not None and args.idle_prefill_chunk < 0:
         raise ConfigError(f"--idle-prefill-chunk must be >= 0 (0: off), got {args.idle_prefill_chunk}")
