@@ -3,7 +3,8 @@
 # `gpu` tests (gradients vs fp64 at `small` widths, beside the twin; the dispatch; a tiny model vs the twin),
 # then the kernel case (forward + backward of one hand-over vs autograd through the twin, and the floor), a
 # short sweep of the backward kernel's tiles, and benchmarks/train_peer.py (eager, 16 x 1024) with the twin
-# (DSV41_TRITON_MHC_BACKWARD=0) and, when the tests passed, with the kernels. Not yet run: expect ~3-4 minutes.
+# (DSV41_TRITON_MHC_BACKWARD=0) and, when the tests passed, with the kernels (its tests and the train_peer run with the
+# kernels ran on an H100 on 2026-12-06 from a session script; this script as a whole has not run): ~3-4 minutes.
 # Everything lands in $OUT (logs + JSON).
 #
 #   bash scripts/gpu_mhc_train.sh
