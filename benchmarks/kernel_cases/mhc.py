@@ -17,7 +17,9 @@ N = 4
 K = (2 + N) * N
 
 
-def _streams(B: int, T: int, d: int, device: torch.device, seed: int):
+def streams(B: int, T: int, d: int, device: torch.device, seed: int):
+    """Random hand-over inputs (h, f bf16; post, comb, pre, hc_fn fp32) of B × T tokens at width d (also the
+    training cases', kernel_cases/mhc_train.py)."""
     g = torch.Generator(device=device).manual_seed(seed)
     h = torch.randn(B, T, N, d, generator=g, device=device).bfloat16()
     f = torch.randn(B, T, d, generator=g, device=device).bfloat16()
@@ -29,7 +31,7 @@ def _streams(B: int, T: int, d: int, device: torch.device, seed: int):
 
 
 def _post_case(name: str, B: int, T: int, d: int, device: torch.device, with_fn: bool, note: str) -> dict:
-    h, f, post, comb, pre, fn = _streams(B, T, d, device, seed=B * T + d)
+    h, f, post, comb, pre, fn = streams(B, T, d, device, seed=B * T + d)
     fn = fn if with_fn else None
     M = B * T
     per_token = (2 * N + 2) * d * 2 + (2 * N + N * N) * 4 + (K * 4 if with_fn else 0)  # streams + coefficients
@@ -51,7 +53,7 @@ def _post_case(name: str, B: int, T: int, d: int, device: torch.device, with_fn:
 def _post_split_case(name: str, B: int, d: int, device: torch.device, note: str) -> dict:
     """One inference hand-over (`mhc_post_split`): the pass with the Sinkhorn split of the next coefficients as
     the finish kernel's epilogue. Work as `_post_case` plus the (2n + n²) fp32 coefficients written."""
-    h, f, post, comb, pre, fn = _streams(B, 1, d, device, seed=B + d + 1)
+    h, f, post, comb, pre, fn = streams(B, 1, d, device, seed=B + d + 1)
     g = torch.Generator(device=device).manual_seed(9)
     scale, base = 0.5 + torch.rand(3, generator=g, device=device), torch.randn(K, generator=g, device=device)
     args = (h, f, post, comb, pre, fn, 1e-6, scale, base, N, 20, 1e-6)
@@ -88,7 +90,7 @@ def cases(device: torch.device) -> list[dict]:
                          "v41-flash decode hand-over, 2 launches; separate: `mhc_post decode batch` + a split"),
     ]
 
-    h, *_, fn = _streams(1, 16384, 5120, device, seed=7)
+    h, *_, fn = streams(1, 16384, 5120, device, seed=7)
     M, d = h.shape[0] * h.shape[1], h.shape[-1]
     out.append(dict(
         name="mhc_mixes prefill", shape=f"B=1 T=16384 n={N} d={d} bf16", unit="byte",

@@ -12,6 +12,7 @@ The backward's first loop (r) and the weight's gradient read h_new again (L2 / 8
 from __future__ import annotations
 
 import torch
+from kernel_cases.mhc import streams
 
 from dsv41.kernels.ref import mhc as twin
 from dsv41.kernels.triton import mhc_train
@@ -22,13 +23,7 @@ EPS = 1e-20  # the `small` preset's norm_eps
 
 
 def _backward_case(name: str, B: int, T: int, d: int, device: torch.device, note: str) -> dict:
-    g = torch.Generator(device=device).manual_seed(B * T + d)
-    h = torch.randn(B, T, N, d, generator=g, device=device).bfloat16()
-    f = torch.randn(B, T, d, generator=g, device=device).bfloat16()
-    post = 2 * torch.rand(B, T, N, generator=g, device=device)
-    comb = torch.softmax(torch.randn(B, T, N, N, generator=g, device=device), dim=-1)
-    pre = torch.rand(B, T, N, generator=g, device=device)
-    fn = 0.01 * torch.randn(K, N * d, generator=g, device=device)
+    h, f, post, comb, pre, fn = streams(B, T, d, device, seed=B * T + d)
     with torch.no_grad():  # the twin: building a case launches no kernel (benchmarks/sass.py only compiles)
         h_new, x, mixes = twin.mhc_post(h, f, post, comb, pre, fn, EPS)
     g_h_new, g_x = torch.randn_like(h_new), torch.randn_like(x)
