@@ -10,6 +10,8 @@ source and a decoder Engram layer. On the GPU: graph replay = eager."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from tests.conftest import engine_test_model
@@ -216,6 +218,14 @@ def test_prefill_defaults_follow_where_the_runs_replay_graphs():
     for bad in (dict(prefill_layers="whole"), dict(prefill_chunk=0)):
         with pytest.raises(ValueError, match="prefill_layers|prefill_chunk"):
             Engine(model, max_batch=2, **bad)
+    # the rule itself (what a CUDA engine decides): graphed whole runs only with static prefill, graphs, no drafter
+    from dsv41.engine.engine import prefill_defaults
+
+    for static, graphs, drafter in itertools.product((False, True), repeat=3):
+        want = (128, None) if static and graphs and not drafter else (2048, 4)
+        assert prefill_defaults(None, "auto", static, graphs, drafter) == want, (static, graphs, drafter)
+        assert prefill_defaults(300, 2, static, graphs, drafter) == (300, 2)
+        assert prefill_defaults(300, None, static, graphs, drafter) == (300, None)
 
 
 @pytest.mark.gpu

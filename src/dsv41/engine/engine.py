@@ -168,6 +168,20 @@ def dense_piece_tokens(moe) -> int:
     return int(DENSE_EXTRA_FLOPS // ((moe.n_routed - moe.topk) * 6 * dim * inter)) if moe.n_routed > moe.topk else 0
 
 
+def prefill_defaults(prefill_chunk: int | None, prefill_layers: int | str | None, static_prefill: bool,
+                     graphs: bool, drafter: bool) -> tuple[int, int | None]:
+    """`Engine`'s prefill_chunk (None) and prefill_layers ("auto") beside decoding streams: whole runs of
+    STATIC_PREFILL_CHUNK tokens where static prefill replays them from CUDA graphs and no drafter runs (a drafter's
+    jobs capture features, so they run on the host path, where a short whole run costs ~820 launches); else
+    HOST_PREFILL_CHUNK-token runs in 4-layer pieces. Given values are kept."""
+    graphed_runs = static_prefill and graphs and not drafter
+    if prefill_chunk is None:
+        prefill_chunk = STATIC_PREFILL_CHUNK if graphed_runs else HOST_PREFILL_CHUNK
+    if prefill_layers == "auto":
+        prefill_layers = None if graphed_runs else 4
+    return prefill_chunk, prefill_layers
+
+
 def layout_for_graphs(model: Transformer, decode_rows: int) -> None:
     """What an engine with CUDA graphs sets on its model (fewer kernels per layer; the same function): each
     attention's wq_a and wkv as one matrix (`Attention.fuse_projections`), and on its MoE layers the dense dispatch
@@ -238,13 +252,8 @@ class Engine:
         self.runner = Runner(model)
         if static_prefill is None:
             static_prefill = use_graphs and encoder_only_supported(self.runner)
-        # whole static runs of small chunks beside the streams: where they replay from graphs and no drafter
-        # captures features (those jobs run on the host path, where a short whole run costs ~820 launches)
-        graphed_runs = bool(static_prefill) and use_graphs and drafter is None
-        if prefill_chunk is None:
-            prefill_chunk = STATIC_PREFILL_CHUNK if graphed_runs else HOST_PREFILL_CHUNK
-        if prefill_layers == "auto":
-            prefill_layers = None if graphed_runs else 4
+        prefill_chunk, prefill_layers = prefill_defaults(prefill_chunk, prefill_layers, bool(static_prefill),
+                                                         use_graphs, drafter is not None)
         self.prefill_chunk, self.max_batch, self.exact_prefill = prefill_chunk, max_batch, exact_prefill
         self.prefix_cache = prefix_cache
         self.max_seq_len = int(max_seq_len or c.max_seq_len)
