@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the H200 box (python3 with torch + triton + transformers, no install needed), one call:
-#   bash scripts/gpu_engine.sh [OUT_DIR] [PARTS]     PARTS: any of tests,kernels,peer,load,prefill (default
+#   bash scripts/gpu_engine.sh [OUT_DIR] [PARTS]     PARTS: any of tests,kernels,sweep,peer,load,prefill (default
 #                                                   tests,peer,load; a device call of 10 minutes fits tests,peer,
 #                                                   tests,load or kernels,prefill)
 # The engine's GPU checks, then the engine benchmarks of issue 15: the GPU tests of the engine and of the
@@ -39,6 +39,13 @@ rc=$?
 [ $rc -ne 0 ] && [ $rc -ne 5 ] && status=1
 echo "===== kernel gpu tests (exit $rc)" >>"$out/kernels.log"
 tail -8 "$out/kernels.log"
+fi
+if [[ $parts == *sweep* ]]; then
+# the replay's mHC hand-over at 128 tokens: d split + finish (the default) against one unsplit pass with the split in
+# it (`split_in_pass`); ~1 minute
+timeout 120 python3 benchmarks/sweep.py mhc "mhc_post_split small replay M=128" \
+    '{"split": [1, 2, 3, 6], "split_in_pass": [false, true], "block_t": [16, 32, 64]}' >"$out/sweep.log" 2>&1
+tail -8 "$out/sweep.log"
 fi
 if [[ $parts == *peer* ]]; then
 # the grid with the peer's three paths, then prefill (host path in one chunk, StaticPrefill) and the TTFT, in one

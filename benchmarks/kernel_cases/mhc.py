@@ -86,6 +86,10 @@ def cases(device: torch.device) -> list[dict]:
         _post_split_case("mhc_post_split small decode B=64", 64, 384, device,
                          "the model's decode hand-over: pass + finish with the split as its epilogue (2 launches); "
                          "the separate path is `mhc_post small decode B=64` + `mhc_split decode B=64` (3)"),
+        _post_split_case("mhc_post_split small replay M=128", 128, 384, device,
+                         "the decoder replay's hand-over (128 tokens of `small`; 13 passes per replay graph: pass "
+                         "98 µs + finish 53 µs in all on the H100, 2026-12-06) — sweep `split` (1: no finish kernel) "
+                         "and `split_in_pass` (the split in the unsplit pass) to drop the second launch"),
         _post_split_case("mhc_post_split decode batch", 128, 5120, device,
                          "v41-flash decode hand-over, 2 launches; separate: `mhc_post decode batch` + a split"),
     ]
