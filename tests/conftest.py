@@ -48,6 +48,17 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = FP3
                              f"worst ratio {(err / bound).max().item():.2f}")
 
 
+def assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel: float) -> None:
+    """Every parameter's gradient of `got` within `rel` of `want` in norm, relative to the larger of its own norm and
+    1 % of the largest (a near-zero gradient is judged against the model's scale); prints the worst."""
+    assert got.keys() == want.keys()
+    biggest = max(v.norm().item() for v in want.values())
+    errs = {n: (got[n] - v).norm().item() / max(v.norm().item(), 1e-2 * biggest) for n, v in want.items()}
+    worst = max(errs, key=errs.get)
+    print(f"{len(errs)} gradients, worst rel err {errs[worst]:.1e} ({worst})")
+    assert errs[worst] <= rel, f"gradient of {worst}: rel err {errs[worst]:.1e}"
+
+
 def randomize_mixing(model, seed: int) -> None:
     """Init makes mHC mixing near-identity and sinks zero; tests want every coefficient to matter."""
     g = torch.Generator().manual_seed(seed)
