@@ -36,6 +36,7 @@ from dsv41.accounting import compute  # noqa: E402
 from dsv41.model.transformer import Transformer  # noqa: E402
 from dsv41.optim import build_optimizer  # noqa: E402
 from dsv41.optim.muon import ns_dtype_for  # noqa: E402
+from dsv41.train.graphs import StepGraph, tensor_lrs  # noqa: E402
 from dsv41.train.trainer import apply_block_options  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -46,8 +47,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _autocast(device: str):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else \
+def _autocast(device: str, cache: bool = True):
+    return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache) if device.startswith("cuda") else \
         torch.autocast("cpu", enabled=False)
 
 
@@ -71,15 +72,22 @@ def dsv41_train(config, B: int, T: int, args) -> dict:
     model = Transformer(config).init_weights(seed=0).to(args.device).train()
     apply_block_options(model, checkpoint=args.checkpoint_activations, compile=args.compile)
     opt = build_optimizer(model, lr=1e-4, ns_dtype=NS_DTYPES[args.ns_dtype] or ns_dtype_for(args.device, "bf16"))
+    if args.cuda_graphs:
+        tensor_lrs(opt, torch.device(args.device))
     V = config.vocab_size
 
-    def step() -> None:
-        tokens = torch.randint(3, V, (B, T + 1), device=args.device)
-        with _autocast(args.device):
+    def body(tokens: torch.Tensor) -> torch.Tensor:
+        with _autocast(args.device, cache=not args.cuda_graphs):
             losses = model.losses(tokens[:, :-1], tokens[:, 1:], attention=args.attention)
         losses.total.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return losses.total.detach()
+
+    graph = StepGraph(body, enabled=args.cuda_graphs)
+
+    def step() -> None:
+        graph({"tokens": torch.randint(3, V, (B, T + 1), device=args.device)})
 
     s, peak = timed_steps(step, args.device, args.warmup, args.steps)
     return {"batch": B, "seq": T, "step_s": s, "tokens_per_s": B * T / s, "peak_gib": peak,
@@ -92,16 +100,22 @@ def peer_train(config, B: int, T: int, args) -> dict:
     torch.manual_seed(0)
     model = LlamaForCausalLM(peer_config(config, T)).to(args.device).train()
     fused = args.device.startswith("cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused,
+                            capturable=args.cuda_graphs)
     V = config.vocab_size
 
-    def step() -> None:
-        tokens = torch.randint(3, V, (B, T + 1), device=args.device)
-        with _autocast(args.device):
+    def body(tokens: torch.Tensor) -> torch.Tensor:
+        with _autocast(args.device, cache=not args.cuda_graphs):
             out = model(input_ids=tokens[:, :-1], labels=tokens[:, :-1])  # HF shifts the labels itself
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    graph = StepGraph(body, enabled=args.cuda_graphs)
+
+    def step() -> None:
+        graph({"tokens": torch.randint(3, V, (B, T + 1), device=args.device)})
 
     s, peak = timed_steps(step, args.device, args.warmup, args.steps)
     # active parameters per token: everything but the input embedding (a lookup)
@@ -132,12 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", choices=("sparse", "dense"), default="sparse")
     ap.add_argument("--checkpoint-activations", action="store_true", help="dsv41: recompute each Block")
     ap.add_argument("--compile", action="store_true", help="dsv41: torch.compile each Block")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="both models: each step (forward, backward, optimizer) replayed from a CUDA graph after "
+                         "warm-up steps (dsv41.train.graphs; the peer with a capturable fused AdamW)")
     ap.add_argument("--ns-dtype", choices=tuple(NS_DTYPES), default="auto",
                     help="dsv41: Muon's Newton-Schulz dtype (auto: bf16 on CUDA, as the trainer for a bf16 run)")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--out", default=None, help=f"results folder (default {RESULTS} on CUDA, none on CPU)")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
+    if args.cuda_graphs and (not cuda or args.compile):
+        print("train_peer: --cuda-graphs needs --device cuda and no --compile", file=sys.stderr)
+        return 2
     if cuda and not torch.cuda.is_available():
         print("train_peer: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
@@ -149,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "train_peer", "date": dt.date.today().isoformat(), "preset": args.preset,
               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "attention": args.attention, "checkpoint_activations": args.checkpoint_activations,
-              "compile": args.compile, "tokens_per_step": B * T, "ceilings": ceilings(args.device),
+              "compile": args.compile, "cuda_graphs": args.cuda_graphs, "tokens_per_step": B * T,
+              "ceilings": ceilings(args.device),
               "ns_dtype": str(NS_DTYPES[args.ns_dtype] or ns_dtype_for(args.device, "bf16")).removeprefix("torch."),
               "triton_sinkhorn_backward": cuda and os.environ.get("DSV41_TRITON_SINKHORN_BACKWARD", "1") != "0",
               "triton_mhc_backward": cuda and os.environ.get("DSV41_TRITON_MHC_BACKWARD", "1") != "0",

@@ -195,5 +195,9 @@ class Muon(torch.optim.Optimizer):
                         dtype=group["ns_dtype"],
                     )
                     torch._foreach_mul_(params, 1 - lr * wd)  # decoupled weight decay with the unscaled lr
-                    torch._foreach_add_(params, ortho, alpha=-lr)
+                    if isinstance(lr, Tensor):  # a device scalar (a CUDA-graphed step: train/graphs.py)
+                        torch._foreach_mul_(ortho, lr)
+                        torch._foreach_sub_(params, ortho)
+                    else:
+                        torch._foreach_add_(params, ortho, alpha=-lr)
         return loss

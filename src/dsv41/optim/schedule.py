@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 REPORT_TOTAL_TOKENS = 45e12
 
 
@@ -83,8 +85,13 @@ class LRSchedule:
         return self.final + (self.peak - self.final) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def apply(self, optimizer, tokens_seen: float, step: int | None = None) -> float:
-        """Set every group's lr to lr_at(...) × its `lr_mult` (Engram × 5); returns the base lr."""
+        """Set every group's lr to lr_at(...) × its `lr_mult` (Engram × 5); returns the base lr. A group whose lr is
+        a tensor (a CUDA-graphed step reads it where it was captured: `train.graphs.tensor_lrs`) is filled in place."""
         lr = self.lr_at(tokens_seen, step)
         for group in optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
+            value = lr * group.get("lr_mult", 1.0)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(value)
+            else:
+                group["lr"] = value
         return lr

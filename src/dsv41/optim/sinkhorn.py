@@ -102,5 +102,8 @@ class SinkhornBalanced(torch.optim.Optimizer):
                 buf.mul_(mu).add_(g)
                 update = g.add(buf, alpha=mu) if group["nesterov"] else buf
                 delta = sinkhorn_balance(update, group["tau"], group["iters"], group["eps"])
-                p.add_(delta, alpha=-group["gamma"] * group["lr"])
+                if isinstance(group["lr"], torch.Tensor):  # a device scalar (a CUDA-graphed step: train/graphs.py)
+                    p.sub_(delta.mul_(group["gamma"] * group["lr"]))
+                else:
+                    p.add_(delta, alpha=-group["gamma"] * group["lr"])
         return loss

@@ -67,6 +67,7 @@ from dsv41.optim import LRSchedule, build_optimizer
 from dsv41.optim.muon import ns_dtype_for
 from dsv41.train import state as ckpt
 from dsv41.train.data import PackedDataset, TokenizedCorpus, load_corpus, val_batches
+from dsv41.train.graphs import StepGraph, tensor_lrs, tree_map
 from dsv41.train.tokenizer import DATA_DIR, DEFAULT_TOKENIZER, build_compressed_token_map, load_tokenizer
 
 GOLDEN_FILE = Path(__file__).resolve().parents[3] / "tests" / "train" / "golden_tiny_loss.json"
@@ -112,6 +113,8 @@ class TrainConfig:
     # torch.compile every Block, applied from outside (apply_block_options); a cold compile of small takes
     # > 9 min on the H200 (11 block kinds, forward + backward), ~1 min from Inductor's cache (docs/training.md)
     compile: bool = False
+    # one launch a step instead of ~10,000 for `small` (train/graphs.py: 2 eager warm-up steps, then a capture)
+    cuda_graphs: bool = False  # replay each step (forward, backward, optimizer) from a CUDA graph; CUDA, no compile
     attention: str = "sparse"  # "sparse" (window band ∪ gathered top-k) or "dense" (the masked spec); same math
     checkpoint_activations: bool = False  # recompute each Block's activations in the backward pass
     threads: int = 0  # > 0: torch.set_num_threads (CPU determinism and sharing)
@@ -148,6 +151,10 @@ class TrainConfig:
             bad("lr", "learning rates must be >= 0")
         if self.attention not in ("dense", "sparse"):
             bad("attention", f"must be 'dense' or 'sparse', got {self.attention!r}")
+        if self.cuda_graphs and self.compile:
+            bad("cuda_graphs", "replays the eager step; use it without compile")
+        if self.cuda_graphs and self.parallel:
+            bad("cuda_graphs", "is for one device; the distributed trainer (parallel=...) runs eagerly")
         if self.long_seq_len < 0:
             bad("long_seq_len", f"must be >= 0 (0 = one sequence length), got {self.long_seq_len}")
         if self.long_seq_len:
@@ -380,6 +387,11 @@ def _checkpointed(forward):
     return run
 
 
+# the tensors of one micro-batch a step's device work reads (`Trainer._device_step`), window_start last (None
+# without replay simulation)
+MICRO_INPUTS = ("tokens", "targets", "doc_ids", "loss_mask", "window_start")
+
+
 # ---------------------------------------------------------------------- trainer
 class Trainer:
     """Builds model, optimizer, schedule and data from a TrainConfig; `run()` trains to the end.
@@ -431,6 +443,9 @@ class Trainer:
         self.schedule = tc.schedule()
         apply_block_options(self.model, checkpoint=tc.checkpoint_activations, compile=tc.compile)
         self._losses = partial(self.model.losses, attention=tc.attention)
+        if tc.cuda_graphs and self.device.type != "cuda":
+            raise ConfigError(f"train option 'cuda_graphs': needs a CUDA device, got {self.device}")
+        self._step_graph = StepGraph(self._device_step, enabled=tc.cuda_graphs)
         self.qat_modules = [m for m in self.model.modules() if hasattr(m, "qat")]
 
         # position in the run
@@ -441,6 +456,8 @@ class Trainer:
             resume = ckpt.resolve_checkpoint(self.out)
         if resume is not None:
             self.load(resume)
+        elif tc.cuda_graphs:
+            tensor_lrs(self.optimizer, self.device)
         self._start_batches()
         (self.out / "train_config.json").write_text(json.dumps(asdict(tc), indent=1) + "\n")
 
@@ -474,8 +491,8 @@ class Trainer:
         self.model.config.qat = on
 
     def _autocast(self):
-        if self.tc.dtype == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        if self.tc.dtype == "bf16":  # no cast cache under CUDA graphs (its casts would outlive the capture)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=not self.tc.cuda_graphs)
         return contextlib.nullcontext()
 
     def train_step(self) -> dict[str, Any]:
@@ -485,18 +502,39 @@ class Trainer:
         qat = tc.qat_from_tokens >= 0 and self.tokens >= tc.qat_from_tokens
         self.set_qat(qat)
         lr = self.schedule.apply(self.optimizer, self.tokens + tc.tokens_per_step, self.step + 1)
-        sums = torch.zeros(4, device=self.device)  # lm, indexer, balance, total
-        loads: dict[str, dict[str, Tensor]] = {}
-        n_targets = 0
+        inputs: dict[str, Tensor | None] = {}
         for micro in range(tc.grad_accum):
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in next(self._batches).items()}
+            batch = next(self._batches)
+            for name in MICRO_INPUTS[:-1]:
+                inputs[f"{name}_{micro}"] = batch[name].to(self.device, non_blocking=True)
             window_start = None
             if tc.replay_sim:
                 rng = np.random.default_rng([tc.seed, self.step, micro])
                 window_start = replay_window_start(*batch["tokens"].shape, tc.replay_fraction, rng).to(self.device)
+            inputs[f"window_start_{micro}"] = window_start
+        out = self._step_graph(inputs, key=qat)
+        if self._step_graph.enabled:  # the graph's outputs: the next replay writes over them
+            out = tree_map(torch.clone, out)
+        sums, grad_norm, n_targets, loads = out
+        self.step += 1
+        self.tokens += tc.tokens_per_step
+        self.last_loads = loads
+        lm, indexer, balance, total = (sums / tc.grad_accum).unbind()
+        return dict(lm=lm, indexer=indexer, balance=balance, total=total, grad_norm=grad_norm,
+                    lr=lr, qat=qat, targets=n_targets, loads=loads)
+
+    def _device_step(self, **inputs: Tensor | None) -> tuple[Tensor, Tensor, Tensor, dict[str, dict[str, Tensor]]]:
+        """The step's device work from its micro-batches' tensors (`{name}_{micro}` for the names of MICRO_INPUTS):
+        forward and backward of each, the MoE bias update, the clip, the optimizer and zeroing — no host sync, shapes
+        from the inputs' (a CUDA graph replays it: `train/graphs.py`). (loss sums (4,), grad norm, targets, loads)."""
+        tc = self.tc
+        sums = torch.zeros(4, device=self.device)  # lm, indexer, balance, total
+        loads: dict[str, dict[str, Tensor]] = {}
+        n_targets = torch.zeros((), dtype=torch.long, device=self.device)
+        for micro in range(tc.grad_accum):
+            tokens, targets, doc_ids, loss_mask, window_start = (inputs[f"{n}_{micro}"] for n in MICRO_INPUTS)
             with self._autocast():
-                losses = self._losses(batch["tokens"], batch["targets"], doc_ids=batch["doc_ids"],
-                                      loss_mask=batch["loss_mask"], window_start=window_start)
+                losses = self._losses(tokens, targets, doc_ids=doc_ids, loss_mask=loss_mask, window_start=window_start)
             (losses.total / tc.grad_accum).backward()
             sums += torch.stack([losses.lm, losses.indexer, losses.balance, losses.total]).detach().float()
             n_targets += losses.n_tokens
@@ -510,12 +548,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self.tokens += tc.tokens_per_step
-        self.last_loads = loads
-        lm, indexer, balance, total = (sums / tc.grad_accum).unbind()
-        return dict(lm=lm, indexer=indexer, balance=balance, total=total, grad_norm=grad_norm.detach(),
-                    lr=lr, qat=qat, targets=n_targets, loads=loads)
+        return sums, grad_norm.detach(), n_targets, loads
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -559,6 +592,8 @@ class Trainer:
         self._start_batches()
         self.resumed_from = folder
         self._truncate_metrics()
+        if self.tc.cuda_graphs:  # the checkpoint's lrs are numbers
+            tensor_lrs(self.optimizer, self.device)
 
     def _truncate_metrics(self) -> None:
         """Drop metrics a crashed run logged after the checkpoint being resumed."""

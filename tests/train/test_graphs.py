@@ -1,0 +1,137 @@
+"""The CUDA-graphed training step (train/graphs.py, `TrainConfig.cuda_graphs`): what the capture relies on, checked
+on the CPU — the step's device work makes no host sync (model, Muon, Sinkhorn, clip, MoE bias update), Muon and
+SinkhornBalanced take a tensor lr with the same result as a number, the schedule fills a tensor lr in place, a new
+key runs eagerly before its capture — and on the GPU: graphed training = eager training."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dsv41.config import ConfigError
+from dsv41.model.transformer import Transformer
+from dsv41.optim import LRSchedule, build_optimizer
+from dsv41.testing.sync import HostSyncError, NoSyncMode
+from dsv41.train.graphs import StepGraph, tensor_lrs, tree_map
+from dsv41.train.trainer import MICRO_INPUTS, TrainConfig, Trainer, read_metrics, replay_window_start
+
+from tests.train.test_trainer import tiny
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tokcache")
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_muon_and_sinkhorn_take_a_tensor_lr_with_the_result_of_a_number():
+    """Two optimizer steps of a tiny model from the same gradients: lrs as 0-d tensors (the graphed step's) vs
+    numbers — every parameter within fp32 rounding; a wrong sign or a dropped lr would move them by ~lr."""
+    from dsv41 import load_config
+
+    c = load_config("tiny")
+    runs = []
+    for as_tensor in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(c).init_weights(seed=0)
+        opt = build_optimizer(model, lr=3e-3)
+        if as_tensor:
+            tensor_lrs(opt, torch.device("cpu"))
+            groups = [g for name in ("muon", "sinkhorn") for g in opt[name].param_groups]
+            assert groups and all(isinstance(g["lr"], torch.Tensor) for g in groups)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        runs.append(_params(model))
+    start = _params(Transformer(c).init_weights(seed=0))
+    for name, ref in runs[0].items():
+        moved = (ref - start[name]).abs().max().item()
+        err = (runs[1][name] - ref).abs().max().item()
+        assert err <= 1e-6 * max(1.0, ref.abs().max().item()), (name, err, moved)
+    assert sum((runs[1][n] - start[n]).abs().max().item() > 1e-4 for n in start) > 10  # the steps moved things
+
+
+def test_the_schedule_fills_a_tensor_lr_in_place():
+    model = torch.nn.Linear(4, 4, bias=False)
+    opt = torch.optim.SGD([{"params": model.parameters(), "lr": 1.0, "lr_mult": 5.0}], lr=1.0)
+    lr = torch.tensor(0.0)
+    opt.param_groups[0]["lr"] = lr
+    sched = LRSchedule(peak=2e-3, final=2e-4, warmup_tokens=0, constant_until_tokens=100, decay_until_tokens=200)
+    base = sched.apply(opt, 150)
+    assert opt.param_groups[0]["lr"] is lr  # the captured tensor, not a new number
+    assert math.isclose(lr.item(), 5.0 * base, rel_tol=1e-6) and math.isclose(base, sched.lr_at(150))
+
+
+def test_the_device_step_makes_no_host_sync(tmp_path, cache_dir):
+    """The trainer's device work of a step (forward, backward, MoE bias update, clip, Muon, Sinkhorn, zeroing) under
+    NoSyncMode, with replay simulation on and two micro-batches: nothing reads the device from the host (AdamW is
+    torch's and runs `capturable` on CUDA; its CPU path reads its step counter, so it sits this one out)."""
+    tr = Trainer(tiny(tmp_path, cache_dir, steps=3, replay_sim=True, grad_accum=2))
+    tr.train_step()  # optimizer state exists, as after the graphed step's warm-up
+    adamw = tr.optimizer.optimizers.pop("adamw")
+    assert adamw.param_groups
+    inputs = {}
+    for micro in range(2):
+        batch = next(tr._batches)
+        for name in MICRO_INPUTS[:-1]:
+            inputs[f"{name}_{micro}"] = batch[name]
+        rng = np.random.default_rng([0, 9, micro])
+        inputs[f"window_start_{micro}"] = replay_window_start(*batch["tokens"].shape, 0.5, rng)
+    before = _params(tr.model)
+    with NoSyncMode():
+        sums, grad_norm, n_targets, loads = tr._device_step(**inputs)
+    assert torch.isfinite(sums).all() and grad_norm > 0 and n_targets > 0 and loads
+    assert any(not torch.equal(p, before[n]) for n, p in tr.model.named_parameters())
+    with pytest.raises(HostSyncError):  # the check itself: a host read in the step is caught
+        with NoSyncMode():
+            tr._device_step(**inputs)[1].item()
+
+
+def test_a_step_graph_runs_its_function_directly_when_disabled_and_refuses_no_warmup():
+    calls = []
+    graph = StepGraph(lambda x: calls.append(x) or x * 2, enabled=False)
+    assert torch.equal(graph({"x": torch.ones(2)}), torch.full((2,), 2.0)) and len(calls) == 1
+    with pytest.raises(ValueError, match="warm-up"):
+        StepGraph(lambda: None, enabled=True, warmup=0)
+    assert tree_map(lambda t: t + 1, {"a": [torch.zeros(1)], "b": 3})["a"][0].item() == 1
+
+
+def test_cuda_graphs_needs_cuda_and_no_compile(tmp_path, cache_dir):
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        TrainConfig(preset="tiny", cuda_graphs=True, compile=True)
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        TrainConfig(preset="tiny", cuda_graphs=True, parallel="dp=2")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs a CUDA device"):
+            Trainer(tiny(tmp_path, cache_dir, steps=2, cuda_graphs=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_graphed_training_equals_eager(tmp_path, cache_dir, dtype):
+    """8 steps of `tiny` with a learning-rate schedule, two micro-batches and replay simulation: eagerly, and with
+    the step replayed from a CUDA graph (2 eager warm-up steps, then a capture); losses and weights agree within the
+    device's run-to-run noise (atomics in the backward), and the graph did replay."""
+    runs = {}
+    for graphs in (False, True):
+        kw = dict(steps=8, device="cuda", dtype=dtype, grad_accum=2, replay_sim=True, cuda_graphs=graphs)
+        tr = Trainer(tiny(tmp_path / str(graphs), cache_dir, **kw))
+        tr.run()
+        losses = [r["loss"] for r in read_metrics(tr.out / "metrics.jsonl") if r["type"] == "train"]
+        runs[graphs] = (losses, _params(tr.model), tr._step_graph)
+    (eager, w_eager, _), (graphed, w_graphed, g) = runs[False], runs[True]
+    assert g.captures == 1 and g.replays == 6
+    tol = 1e-4 if dtype == "fp32" else 2e-2
+    assert len(eager) == len(graphed) == 8
+    for a, b in zip(eager, graphed):
+        assert abs(a - b) <= tol * abs(a), (eager, graphed)
+    for name, w in w_eager.items():
+        assert (w_graphed[name] - w).abs().max().item() <= 10 * tol * max(1e-3, w.abs().max().item()), name
