@@ -470,13 +470,42 @@ def test_the_cost_model_drafts_only_where_measured_speculative_steps_beat_plain_
         engine._measure("spec", 7, 7 * 0.004, 7 * 2.0)  # batch 7 → bucket 8
     for _ in range(3):
         engine._measure("plain", 8, 8 * 0.001, 8)
-    rows = [SimpleNamespace(spec_tokens=None) for _ in range(7)]
+    rows = [SimpleNamespace(spec_tokens=None, params=SimpleNamespace(max_tokens=16), output=[]) for _ in range(7)]
     assert engine.cost_model.median("spec", 8) == 0.004 and not engine._worth_drafting(rows)
     for row in rows:
-        row.spec_tokens = 5.0  # 1,250 tokens/s per row beats 1,000
+        row.spec_tokens = 5.0  # 1,250 tokens/s per row beats 1,000; draining: 3.2 × 4 ms < 16 × 1 ms
     assert engine._worth_drafting(rows)
+    # one row whose drafts fail: by the mean (4.43 tokens, 1,107 per s) it drafts, draining (no request waits)
+    # its 16 steps × 4 ms lose to 16 plain steps × 1 ms; with a request waiting, the mean decides
+    rows[-1].spec_tokens = 1.0
+    assert not engine._worth_drafting(rows)
+    engine.scheduler.waiting.append(SimpleNamespace())
+    assert engine._worth_drafting(rows)
+    engine.scheduler.waiting.clear()
     engine.reset_cost_model()
     assert engine._worth_drafting(rows[:1])
+
+
+def test_cost_model_when_the_batch_drains():
+    """`CostModel.worth_drafting(..., remaining=)`, by hand: with no request waiting, drafting goes on while the
+    row that finishes last would finish sooner with it — most verifications left (remaining / tokens per
+    verification) × the speculative step's time against most remaining tokens × the plain step's."""
+    model = CostModel(FLAT)
+    for _ in range(3):
+        model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)  # the first is not counted: 4 ms per row, 2 tokens
+    for _ in range(3):
+        model.record("plain", 8, 8, 8 * 0.0025, 8)  # 2.5 ms per row
+    assert model.worth_drafting(8, [2.0] * 8)  # 500 tokens/s per row against 400
+    assert model.worth_drafting(8, [2.0] * 8, [100] * 8)  # 50 × 4 = 200 ms against 100 × 2.5 = 250 ms
+    assert model.worth_drafting(8, [None] * 8, [100] * 8)  # no history of their own: the average, 2.0
+    fails = [2.0] * 7 + [1.2]
+    assert model.worth_drafting(8, fails)  # the mean, 1.9 tokens: 475 per s, still ahead of 400
+    assert not model.worth_drafting(8, fails, [100] * 8)  # that row: 83.3 × 4 = 333 ms against 250
+    assert model.worth_drafting(8, fails, [100] * 7 + [20])  # nearly done (16.7 × 4 ms): the others decide, 200
+    assert model.worth_drafting(8, [2.0] * 8, [100] * 7 + [200])  # the longest: 100 × 4 = 400 ms against 500 ms
+    assert not model.worth_drafting(8, fails[:7] + [1.2], [20] * 7 + [200])  # 167 × 4 = 667 ms against 500 ms
+    with pytest.raises(ValueError, match="remaining"):
+        model.worth_drafting(8, fails, [1, 2])
 
 
 def _run_logprobs(engine: Engine, prompts, max_tokens, k: int):

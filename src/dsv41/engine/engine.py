@@ -892,8 +892,13 @@ class Engine:
 
     def _worth_drafting(self, seqs: list[Sequence]) -> bool:
         """`speculate="auto"`: whether this batch drafts (the engine's `CostModel`, per batch bucket, with
-        the rows' own tokens per verification)."""
-        return self.cost_model.worth_drafting(bucket(len(seqs), self.buckets), [s.spec_tokens for s in seqs])
+        the rows' own tokens per verification). With no request waiting the batch drains: the rows' remaining
+        tokens (to `max_tokens`) go with them, and the row that would finish last decides."""
+        remaining = None
+        if not self.scheduler.waiting:
+            remaining = [max(1, s.params.max_tokens - len(s.output)) for s in seqs]
+        return self.cost_model.worth_drafting(bucket(len(seqs), self.buckets), [s.spec_tokens for s in seqs],
+                                              remaining)
 
     def reset_cost_model(self) -> None:
         """Forget the cost model's measurements (after steps timed under a profiler, say: its overhead

@@ -164,10 +164,19 @@ class CostModel:
         mid = len(ts) // 2
         return ts[mid] if len(ts) % 2 else 0.5 * (ts[mid - 1] + ts[mid])
 
-    def worth_drafting(self, bucket: int, rows: Sequence[float | None] | None = None) -> bool:
+    def worth_drafting(self, bucket: int, rows: Sequence[float | None] | None = None,
+                       remaining: Sequence[int] | None = None) -> bool:
         """rows: each row's own tokens per verification so far (None: none yet — the average stands for it);
         the batch's mean is what a speculative step is expected to emit (the rows left at the end of a run
-        are often the ones whose drafts fail)."""
+        are often the ones whose drafts fail).
+
+        remaining (with rows; the engine passes it when no request waits: the batch drains): each row's tokens
+        still to generate. Then what counts is when the batch's last row finishes, not its tokens per second:
+        drafting goes on only while the slowest row to finish would finish sooner with it — the most steps any
+        row still needs, remaining / tokens per verification, at the speculative step's time, against the most
+        remaining tokens at the plain step's (the steps' sizes as now; as rows finish the steps only get
+        cheaper). A row whose drafts keep failing then stops the batch drafting, where the mean would keep it
+        drafting at about twice the plain step's cost per token for that row (issue 19's closed batch of 64)."""
         if len(self.times.get(("spec", bucket), [])) < self.warmup or self.tokens is None:
             return True  # measure it
         if self.plain_run.get(bucket, 0) >= self.probe_every:
@@ -176,6 +185,12 @@ class CostModel:
         if t_plain is None:
             t_plain = self.step_time(bucket) / bucket
         tokens = self.tokens
+        if rows and remaining is not None:
+            if len(remaining) != len(rows):
+                raise ValueError(f"remaining has {len(remaining)} rows, rows has {len(rows)}")
+            per_row = [self.tokens if n is None else n for n in rows]
+            spec = max(r / max(n, 1.0) for r, n in zip(remaining, per_row)) * self.median("spec", bucket)
+            return spec < max(remaining) * t_plain
         if rows:
             tokens = sum(self.tokens if n is None else n for n in rows) / len(rows)
         return tokens / self.median("spec", bucket) > 1 / t_plain
