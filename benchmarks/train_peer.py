@@ -84,14 +84,15 @@ def dsv41_train(config, B: int, T: int, args) -> dict:
         opt.zero_grad(set_to_none=True)
         return losses.total.detach()
 
-    graph = StepGraph(body, enabled=args.cuda_graphs)
+    graph = StepGraph(body, enabled=args.cuda_graphs, reset=lambda: opt.zero_grad(set_to_none=True))
 
     def step() -> None:
         graph({"tokens": torch.randint(3, V, (B, T + 1), device=args.device)})
 
     s, peak = timed_steps(step, args.device, args.warmup, args.steps)
     return {"batch": B, "seq": T, "step_s": s, "tokens_per_s": B * T / s, "peak_gib": peak,
-            "active_params": compute(config)["active_params_decode"]}
+            "active_params": compute(config)["active_params_decode"], "graphed": graph.replays > 0,
+            "graph_error": graph.error}
 
 
 def peer_train(config, B: int, T: int, args) -> dict:
@@ -112,7 +113,7 @@ def peer_train(config, B: int, T: int, args) -> dict:
         opt.zero_grad(set_to_none=True)
         return out.loss.detach()
 
-    graph = StepGraph(body, enabled=args.cuda_graphs)
+    graph = StepGraph(body, enabled=args.cuda_graphs, reset=lambda: opt.zero_grad(set_to_none=True))
 
     def step() -> None:
         graph({"tokens": torch.randint(3, V, (B, T + 1), device=args.device)})
@@ -120,7 +121,8 @@ def peer_train(config, B: int, T: int, args) -> dict:
     s, peak = timed_steps(step, args.device, args.warmup, args.steps)
     # active parameters per token: everything but the input embedding (a lookup)
     active = count_params(model) - model.get_input_embeddings().weight.numel()
-    return {"batch": B, "seq": T, "step_s": s, "tokens_per_s": B * T / s, "peak_gib": peak, "active_params": active}
+    return {"batch": B, "seq": T, "step_s": s, "tokens_per_s": B * T / s, "peak_gib": peak, "active_params": active,
+            "graphed": graph.replays > 0, "graph_error": graph.error}
 
 
 # --ns-dtype: auto = the trainer's rule for a bf16 run (bf16 on CUDA, fp32 on the CPU)

@@ -104,6 +104,27 @@ def test_a_step_graph_runs_its_function_directly_when_disabled_and_refuses_no_wa
     assert tree_map(lambda t: t + 1, {"a": [torch.zeros(1)], "b": 3})["a"][0].item() == 1
 
 
+def test_a_failed_capture_resets_and_runs_eagerly_from_then_on(monkeypatch, caplog):
+    """The key's warm-up calls run eagerly, the capture that follows fails (an op that cannot be captured): `reset`
+    runs (the training step's: the aborted capture's gradients), then the same call eagerly, with a warning and the
+    error kept; every later call runs `fn` directly."""
+    calls, resets = [], []
+    graph = StepGraph(lambda x: calls.append(x.item()) or x + 1, enabled=True, warmup=2,
+                      reset=lambda: resets.append(len(calls)))
+    monkeypatch.setattr(graph, "_eager", lambda inputs: graph.fn(**inputs))  # the CPU has no side stream
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def refuse(full, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graph, "_capture", refuse)
+    outs = [graph({"x": torch.tensor(float(i))}).item() for i in range(5)]
+    assert outs == [1.0, 2.0, 3.0, 4.0, 5.0] and calls == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert resets == [2] and not graph.enabled and "not permitted" in graph.error
+    assert graph.captures == 0 and graph.replays == 0
+    assert any("capture failed" in r.message for r in caplog.records)
+
+
 def test_cuda_graphs_needs_cuda_and_no_compile(tmp_path, cache_dir):
     with pytest.raises(ConfigError, match="cuda_graphs"):
         TrainConfig(preset="tiny", cuda_graphs=True, compile=True)

@@ -22,11 +22,14 @@ On the CPU (and without CUDA) the step runs eagerly: the same function, called d
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 2  # eager steps per new key before its capture (lazy state, Triton / cuBLAS choices)
 
@@ -65,12 +68,16 @@ class StepGraph:
     None). The first `warmup` calls of a key run `fn` eagerly on a side stream; the next captures it on copies of
     its inputs and replays it; later calls copy their inputs into the captured ones and replay. The returned
     structure is the captured outputs (overwritten by the next replay). `enabled=False` (the CPU): `fn` directly.
+    A capture that fails (an op that cannot be captured) leaves a warning and `error`, calls `reset` (a training
+    step's: drop the gradients the aborted capture assigned) and runs `fn` eagerly, now and from then on.
     """
 
-    def __init__(self, fn: Callable[..., Any], *, enabled: bool, warmup: int = WARMUP_STEPS):
+    def __init__(self, fn: Callable[..., Any], *, enabled: bool, warmup: int = WARMUP_STEPS,
+                 reset: Callable[[], None] | None = None):
         if warmup < 1:
             raise ValueError(f"StepGraph needs at least one eager warm-up step per key, got warmup={warmup}")
-        self.fn, self.enabled, self.warmup = fn, enabled, warmup
+        self.fn, self.enabled, self.warmup, self.reset = fn, enabled, warmup, reset
+        self.error: str | None = None  # why a capture failed (the step runs eagerly from then on)
         self.key: Hashable | None = None  # the key of the graph held (None: none)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: dict[str, Tensor | None] = {}
@@ -93,7 +100,16 @@ class StepGraph:
             if done < self.warmup:
                 self.eager_calls[full] = done + 1
                 return self._eager(inputs)
-            self._capture(full, inputs)
+            try:
+                self._capture(full, inputs)
+            except RuntimeError as err:  # something in fn cannot be captured: eager from now on, said once
+                self.enabled, self.error = False, f"{type(err).__name__}: {err}"
+                self.graph = self.out = self.key = None
+                log.warning("StepGraph: the CUDA-graph capture failed (%s); the step runs eagerly", self.error)
+                torch.cuda.synchronize()
+                if self.reset is not None:  # what the aborted capture left behind (its gradients, say)
+                    self.reset()
+                return self.fn(**inputs)
         for name, t in inputs.items():
             if t is not None:
                 self.static[name].copy_(t, non_blocking=True)

@@ -445,7 +445,8 @@ class Trainer:
         self._losses = partial(self.model.losses, attention=tc.attention)
         if tc.cuda_graphs and self.device.type != "cuda":
             raise ConfigError(f"train option 'cuda_graphs': needs a CUDA device, got {self.device}")
-        self._step_graph = StepGraph(self._device_step, enabled=tc.cuda_graphs)
+        self._step_graph = StepGraph(self._device_step, enabled=tc.cuda_graphs,
+                                     reset=lambda: self.optimizer.zero_grad(set_to_none=True))
         self.qat_modules = [m for m in self.model.modules() if hasattr(m, "qat")]
 
         # position in the run
