@@ -1,10 +1,11 @@
 """A training step replayed from a CUDA graph (`TrainConfig.cuda_graphs`, `train_peer.py --cuda-graphs`).
 
-Key idea: `small`'s eager step launches ~10,000 small kernels (forward, backward, optimizer) and the host that
-launches them one by one is slower than the GPU that runs them. The step is sync-free and its shapes follow from the
-batch shape (tests/train/test_graphs.py checks both on the CPU), so the whole of it — forward, backward, MoE bias
-update, gradient clip, optimizer, zeroing — can be captured once into a CUDA graph and replayed with the next batch
-copied into the captured input buffers: one launch per step (PyTorch's "whole-network capture").
+Key idea: `small`'s eager step is thousands of small kernels (forward, backward, optimizer); wherever the host that
+launches them one by one is slower than the GPU that runs them, the step waits on the host. The step is sync-free
+and its shapes follow from the batch shape (tests/train/test_graphs.py checks both on the CPU), so the whole of it —
+forward, backward, MoE bias update, gradient clip, optimizer, zeroing — can be captured once into a CUDA graph and
+replayed with the next batch copied into the captured input buffers: one launch per step (PyTorch's "whole-network
+capture").
 
 What the capture needs and where it comes from:
 - every buffer that outlives a step exists before the capture (optimizer momenta and AdamW's step counters, created by

@@ -113,7 +113,7 @@ class TrainConfig:
     # torch.compile every Block, applied from outside (apply_block_options); a cold compile of small takes
     # > 9 min on the H200 (11 block kinds, forward + backward), ~1 min from Inductor's cache (docs/training.md)
     compile: bool = False
-    # one launch a step instead of ~10,000 for `small` (train/graphs.py: 2 eager warm-up steps, then a capture)
+    # one graph launch a step instead of thousands of kernels (train/graphs.py: 2 eager warm-up steps, a capture)
     cuda_graphs: bool = False  # replay each step (forward, backward, optimizer) from a CUDA graph; CUDA, no compile
     attention: str = "sparse"  # "sparse" (window band ∪ gathered top-k) or "dense" (the masked spec); same math
     checkpoint_activations: bool = False  # recompute each Block's activations in the backward pass
