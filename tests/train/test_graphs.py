@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from tests.train.test_trainer import tiny
 
 from dsv41.config import ConfigError
 from dsv41.model.transformer import Transformer
@@ -17,8 +18,6 @@ from dsv41.optim import LRSchedule, build_optimizer
 from dsv41.testing.sync import HostSyncError, NoSyncMode
 from dsv41.train.graphs import StepGraph, tensor_lrs, tree_map
 from dsv41.train.trainer import MICRO_INPUTS, TrainConfig, Trainer, read_metrics, replay_window_start
-
-from tests.train.test_trainer import tiny
 
 
 @pytest.fixture(scope="module")
