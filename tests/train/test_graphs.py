@@ -5,6 +5,7 @@ key runs eagerly before its capture — and on the GPU: graphed training = eager
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -101,6 +102,36 @@ def test_a_step_graph_runs_its_function_directly_when_disabled_and_refuses_no_wa
     with pytest.raises(ValueError, match="warm-up"):
         StepGraph(lambda: None, enabled=True, warmup=0)
     assert tree_map(lambda t: t + 1, {"a": [torch.zeros(1)], "b": 3})["a"][0].item() == 1
+
+
+def _fake_cuda_graphs(monkeypatch, graph: StepGraph) -> None:
+    """CUDA graphs on the CPU for StepGraph's bookkeeping: the capture runs fn once (as the real one records it),
+    a replay runs fn again on the captured inputs and writes the captured output in place."""
+    class FakeGraph:
+        def replay(self) -> None:
+            graph.out.copy_(graph.fn(**graph.static))
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(graph, "_eager", lambda inputs: graph.fn(**inputs))
+
+
+def test_a_step_graph_captures_per_key_after_its_warmup_and_keeps_the_newest(monkeypatch):
+    """Per key (the caller's + every input's shape): `warmup` eager calls, then a capture and replays that read the
+    new inputs; another shape or caller key warms up and captures again, and only the newest graph is held."""
+    shapes = []
+    graph = StepGraph(lambda x: shapes.append(tuple(x.shape)) or x * 2, enabled=True, warmup=1)
+    _fake_cuda_graphs(monkeypatch, graph)
+    assert graph({"x": torch.ones(2)}).tolist() == [2.0, 2.0] and graph.captures == 0  # warm-up, eager
+    out = graph({"x": torch.full((2,), 3.0)})
+    assert out.tolist() == [6.0, 6.0] and (graph.captures, graph.replays) == (1, 1)
+    assert graph({"x": torch.full((2,), 5.0)}) is out and out.tolist() == [10.0, 10.0]  # a replay, new inputs
+    assert graph({"x": torch.ones(3)}).tolist() == [2.0] * 3 and graph.captures == 1  # a new shape: eager first
+    assert graph({"x": torch.ones(3)}).tolist() == [2.0] * 3 and graph.captures == 2
+    assert graph({"x": torch.ones(3)}, key=True).tolist() == [2.0] * 3 and graph.captures == 2  # a new caller key
+    assert graph({"x": torch.full((2,), 4.0)}).tolist() == [8.0, 8.0] and graph.captures == 3  # warmed up: capture
+    assert graph.replays == 4 and shapes.count((3,)) == 4  # eager, capture, replay, eager
 
 
 def test_a_failed_capture_resets_and_runs_eagerly_from_then_on(monkeypatch, caplog):
