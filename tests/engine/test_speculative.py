@@ -486,6 +486,33 @@ def test_the_cost_model_drafts_only_where_measured_speculative_steps_beat_plain_
     assert engine._worth_drafting(rows[:1])
 
 
+def test_a_probe_that_loses_doubles_the_wait_for_the_next():
+    """Probes back off: after 32 plain steps the model drafts once; if the decision stays plain, the next probe
+    comes after 64, then 128 (up to probe_max); a decision to draft on the measurements resets the wait to 32."""
+    model = CostModel(FLAT, probe_max=128)
+    for _ in range(3):
+        model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)  # 500 tokens/s per row
+    for _ in range(3):
+        model.record("plain", 8, 8, 8 * 0.001, 8)  # 1,000: plain wins
+
+    def plain_steps_until_probe() -> int:
+        n = 0
+        while not model.worth_drafting(8):
+            model.record("plain", 8, 8, 8 * 0.001, 8)
+            n += 1
+        model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)  # the probe: still slow
+        return n
+
+    assert plain_steps_until_probe() == 32 - 3  # three plain steps recorded already
+    assert [plain_steps_until_probe() for _ in range(3)] == [64, 128, 128]
+    for _ in range(5):
+        model.record("spec", 8, 8, 8 * 0.0005, 8 * 2.0)  # fast now: 4,000 tokens/s per row
+    assert model.worth_drafting(8) and 8 not in model.probe_gap  # drafting on the measurements: reset
+    for _ in range(5):
+        model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)
+    assert plain_steps_until_probe() == 32
+
+
 def test_cost_model_when_the_batch_drains():
     """`CostModel.worth_drafting(..., remaining=)`, by hand: with no request waiting, drafting goes on while the
     row that finishes last would finish sooner with it — most verifications left (remaining / tokens per

@@ -122,12 +122,15 @@ class CostModel:
     moving average over every bucket (acceptance depends on the text, not the batch), or the mean of the
     batch's rows' own averages where they have one. It drafts until a bucket has `warmup` counted speculative
     steps; until a plain step is counted there, the profiled step-time curve
-    stands for it; after `probe_every` plain steps in a row it drafts once again (acceptance changes)."""
+    stands for it; after `probe_every` plain steps in a row it drafts once again (acceptance changes). A probe that
+    does not turn the decision doubles the wait before the next one in its bucket (up to `probe_max`: a probe costs
+    about two plain steps, so probing every 32 steps alone was ~3 % of a batch that stays plain); a decision to
+    draft on the measurements brings it back to `probe_every`."""
 
     def __init__(self, step_time: Callable[[int], float], *, warmup: int = 2, window: int = 5,
-                 probe_every: int = 32, smoothing: float = 0.1):
+                 probe_every: int = 32, probe_max: int = 1024, smoothing: float = 0.1):
         self.step_time, self.warmup, self.window = step_time, warmup, window
-        self.probe_every, self.smoothing = probe_every, smoothing
+        self.probe_every, self.probe_max, self.smoothing = probe_every, max(probe_max, probe_every), smoothing
         self.reset()
 
     def reset(self) -> None:
@@ -135,6 +138,7 @@ class CostModel:
         self.steps: dict[tuple[str, int], int] = {}  # (kind, bucket) → steps seen, the uncounted first included
         self.tokens: float | None = None  # tokens per row of a speculative step, moving average
         self.plain_run: dict[int, int] = {}  # bucket → plain steps since its last speculative one
+        self.probe_gap: dict[int, int] = {}  # bucket → plain steps in a row before its next probe
         # (kind, bucket, rows, s, tokens) of the last steps, for benchmarks; bounded for a long-running server
         self.timeline: deque[tuple[str, int, int, float, int]] = deque(maxlen=4096)
 
@@ -144,6 +148,9 @@ class CostModel:
         key = (kind, bucket)
         self.timeline.append((kind, bucket, rows, seconds, tokens))
         self.steps[key] = self.steps.get(key, 0) + 1
+        gap = self.probe_gap.get(bucket, self.probe_every)
+        if kind == "spec" and self.plain_run.get(bucket, 0) >= gap:  # a probe: the next one waits twice as long
+            self.probe_gap[bucket] = min(2 * gap, self.probe_max)  # (a decision to draft resets it)
         self.plain_run[bucket] = self.plain_run.get(bucket, 0) + 1 if kind == "plain" else 0
         if self.steps[key] == 1:
             return  # the first step of a kind captures graphs
@@ -179,7 +186,7 @@ class CostModel:
         drafting at about twice the plain step's cost per token for that row (issue 19's closed batch of 64)."""
         if len(self.times.get(("spec", bucket), [])) < self.warmup or self.tokens is None:
             return True  # measure it
-        if self.plain_run.get(bucket, 0) >= self.probe_every:
+        if self.plain_run.get(bucket, 0) >= self.probe_gap.get(bucket, self.probe_every):
             return True  # probe
         t_plain = self.median("plain", bucket)
         if t_plain is None:
@@ -190,10 +197,14 @@ class CostModel:
                 raise ValueError(f"remaining has {len(remaining)} rows, rows has {len(rows)}")
             per_row = [self.tokens if n is None else n for n in rows]
             spec = max(r / max(n, 1.0) for r, n in zip(remaining, per_row)) * self.median("spec", bucket)
-            return spec < max(remaining) * t_plain
-        if rows:
-            tokens = sum(self.tokens if n is None else n for n in rows) / len(rows)
-        return tokens / self.median("spec", bucket) > 1 / t_plain
+            draft = spec < max(remaining) * t_plain
+        else:
+            if rows:
+                tokens = sum(self.tokens if n is None else n for n in rows) / len(rows)
+            draft = tokens / self.median("spec", bucket) > 1 / t_plain
+        if draft:
+            self.probe_gap.pop(bucket, None)
+        return draft
 
     def summary(self) -> dict:
         """Per (kind, bucket): the median s per row and the steps seen; the speculative tokens per row."""
