@@ -22,11 +22,7 @@ timeout 150 "$PY" benchmarks/sweep.py mhc_train "mhc_post backward small" \
   '{"block_t": [16, 32], "block_d": [32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2]}' \
   > "$OUT/sweep.log" 2>&1
 tail -n 10 "$OUT/sweep.log"
-peer() {  # peer NAME LIMIT_S ARGS...: one train_peer.py run, its log and JSON under $OUT/NAME
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$PY" benchmarks/train_peer.py --contexts --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
-  echo "--- $name (rc $?)"; tail -n 4 "$OUT/$name.log"
-}
+source scripts/train_peer_fn.sh
 DSV41_TRITON_MHC_BACKWARD=0 peer twin 100
 if grep -q "passed" "$OUT/gpu_tests.log" && ! grep -q "failed" "$OUT/gpu_tests.log"; then
   peer kernels 100

@@ -14,11 +14,7 @@ timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_sin
   tests/optim/test_ns_dtype.py "tests/engine/test_engine_gpu.py::test_sampling_sampled_rows_never_syncs_with_the_host" \
   > "$OUT/gpu_tests.log" 2>&1
 tail -n 3 "$OUT/gpu_tests.log"
-peer() {  # peer NAME LIMIT_S ARGS...: one train_peer.py run, its log and JSON under $OUT/NAME
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$PY" benchmarks/train_peer.py --contexts --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
-  echo "--- $name (rc $?)"; tail -n 4 "$OUT/$name.log"
-}
+source scripts/train_peer_fn.sh
 DSV41_TRITON_SINKHORN_BACKWARD=0 peer ns_fp32 130 --ns-dtype fp32
 DSV41_TRITON_SINKHORN_BACKWARD=0 peer ns_bf16 100 --ns-dtype bf16
 if grep -q "passed" "$OUT/gpu_tests.log" && ! grep -q "failed" "$OUT/gpu_tests.log"; then

@@ -12,8 +12,6 @@ OUT=${OUT:-/tmp/gpu_train_graphs}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/train/test_graphs.py > "$OUT/gpu_tests.log" 2>&1
 echo "--- gpu tests (rc $?)"; tail -n 12 "$OUT/gpu_tests.log"
-for mode in graphs eager; do
-  flag=(); [ "$mode" = graphs ] && flag=(--cuda-graphs)
-  timeout 150 "$PY" benchmarks/train_peer.py --contexts "${flag[@]}" --out "$OUT/$mode" > "$OUT/$mode.log" 2>&1
-  echo "--- train_peer $mode (rc $?)"; grep -v Warning "$OUT/$mode.log" | tail -n 6
-done
+source scripts/train_peer_fn.sh
+peer graphs 150 --cuda-graphs
+peer eager 150
