@@ -132,6 +132,20 @@ def test_a_step_graph_captures_per_key_after_its_warmup_and_keeps_the_newest(mon
     assert graph({"x": torch.ones(3)}, key=True).tolist() == [2.0] * 3 and graph.captures == 2  # a new caller key
     assert graph({"x": torch.full((2,), 4.0)}).tolist() == [8.0, 8.0] and graph.captures == 3  # warmed up: capture
     assert graph.replays == 4 and shapes.count((3,)) == 4  # eager, capture, replay, eager
+    graph.drop()  # what the step reads was replaced: warm up and capture again
+    assert graph({"x": torch.full((2,), 4.0)}).tolist() == [8.0, 8.0] and graph.captures == 3
+    assert graph({"x": torch.full((2,), 4.0)}).tolist() == [8.0, 8.0] and graph.captures == 4
+
+
+def test_loading_a_checkpoint_drops_the_captured_step(tmp_path, cache_dir):
+    """`Trainer.load` replaces the optimizer's state and lrs (new tensors): a graph captured before would go on
+    reading the old ones, so the load drops it and the next steps warm up and capture again."""
+    tr = Trainer(tiny(tmp_path, cache_dir, steps=2))
+    tr.train_step()
+    folder = tr.save()
+    tr._step_graph.key, tr._step_graph.eager_calls["k"] = "held", 2  # as after a capture
+    tr.load(folder)
+    assert tr._step_graph.key is None and not tr._step_graph.eager_calls
 
 
 def test_a_failed_capture_resets_and_runs_eagerly_from_then_on(monkeypatch, caplog):

@@ -105,7 +105,7 @@ class StepGraph:
                 self._capture(full, inputs)
             except RuntimeError as err:  # something in fn cannot be captured: eager from now on, said once
                 self.enabled, self.error = False, f"{type(err).__name__}: {err}"
-                self.graph = self.out = self.key = None
+                self.drop()
                 log.warning("StepGraph: the CUDA-graph capture failed (%s); the step runs eagerly", self.error)
                 torch.cuda.synchronize()
                 if self.reset is not None:  # what the aborted capture left behind (its gradients, say)
@@ -118,6 +118,13 @@ class StepGraph:
         self.replays += 1
         return self.out
 
+    def drop(self) -> None:
+        """Forget the graph and the warm-ups: the next calls warm up and capture again. For when what the step reads
+        was replaced rather than written in place (an optimizer's state and lrs after `load_state_dict`)."""
+        self.graph = self.out = self.key = None
+        self.static = {}
+        self.eager_calls.clear()
+
     def _eager(self, inputs: dict[str, Tensor | None]) -> Any:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -127,7 +134,7 @@ class StepGraph:
         return out
 
     def _capture(self, full: Hashable, inputs: dict[str, Tensor | None]) -> None:
-        self.graph = self.out = None  # the old graph's pool goes first
+        self.graph = self.out = None  # the old graph's pool goes first (its warm-up counts stay)
         self.static = {name: None if t is None else t.clone() for name, t in inputs.items()}
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

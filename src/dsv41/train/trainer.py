@@ -593,6 +593,7 @@ class Trainer:
         self._start_batches()
         self.resumed_from = folder
         self._truncate_metrics()
+        self._step_graph.drop()  # a captured step would read the optimizer state and lrs the load replaced
         if self.tc.cuda_graphs:  # the checkpoint's lrs are numbers
             tensor_lrs(self.optimizer, self.device)
 
