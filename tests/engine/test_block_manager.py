@@ -32,12 +32,18 @@ def test_slots_are_freed_once_and_a_reused_slot_starts_empty():
     pools = BlockManager(c, "cpu", max_slots=2, max_tokens=512, max_seq_len=256)
     slot = pools.alloc_slot()
     pools.ring_positions[:, slot] = 7
+    grouped = [p for p in pools.sources.values() if p.pending_kv is not None]
+    assert grouped, "tiny has a compressed source with partial groups"
+    for p in grouped:
+        p.pending_kv[slot] = 1.5
+        p.pending_score[slot] = -2.0
     pools.free_slot(slot)
     with pytest.raises(ValueError, match="not an allocated slot"):
         pools.free_slot(slot)  # a double free would hand the slot to two sequences
     with pytest.raises(ValueError, match="not an allocated slot"):
         pools.free_slot(pools.dummy_slot)
     assert pools.alloc_slot() == slot and bool((pools.ring_positions[:, slot] == -1).all())  # rings cleared
+    assert all(not p.pending_kv[slot].any() and not p.pending_score[slot].any() for p in grouped)
     pools.alloc_slot()
     with pytest.raises(OutOfPages, match="slots"):
         pools.alloc_slot()
@@ -58,3 +64,21 @@ def test_a_page_table_row_holds_exactly_the_pages_given():
     pools.set_table(s, 0, list(range(width)))  # a full row is fine
     with pytest.raises(OutOfPages, match="page table"):
         pools.set_table(s, 0, list(range(width + 1)))
+
+
+def test_pages_come_in_bulk_in_the_order_single_takes_give_and_all_or_none():
+    """`alloc_pages(n)` hands out what n `alloc_page` calls would (the free list's order: 0, 1, … on a new pool, a
+    freed page next); more than are free is OutOfPages with the pool unchanged."""
+    c = load_config("tiny")
+    one = BlockManager(c, "cpu", max_slots=2, max_tokens=4096, max_seq_len=2048, page_rows=16)
+    bulk = BlockManager(c, "cpu", max_slots=2, max_tokens=4096, max_seq_len=2048, page_rows=16)
+    s = next(iter(one.sources))
+    singles = [one.alloc_page(s) for _ in range(5)]
+    assert singles == [0, 1, 2, 3, 4] and bulk.alloc_pages(s, 5) == singles and bulk.alloc_pages(s, 0) == []
+    one.free_page_ids(s, [3, 1])
+    bulk.free_page_ids(s, [3, 1])
+    assert bulk.alloc_pages(s, 3) == [one.alloc_page(s) for _ in range(3)] == [3, 1, 5]
+    left = bulk.free_pages(s)
+    with pytest.raises(OutOfPages, match="no free page"):
+        bulk.alloc_pages(s, left + 1)
+    assert bulk.free_pages(s) == left and bulk.alloc_pages(s, left) == list(range(6, 6 + left))

@@ -313,10 +313,8 @@ class SequenceCache:
         need = pages_for(n_rows, self.pools.page_rows)
         if need <= len(pages):
             return
-        added = []
+        added = self.pools.alloc_pages(layer_id, need - len(pages))
         try:
-            while len(pages) + len(added) < need:
-                added.append(self.pools.alloc_page(layer_id))
             self.pools.set_table(layer_id, self.slot, pages + added)
         except OutOfPages:
             self.pools.free_page_ids(layer_id, added)
