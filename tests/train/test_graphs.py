@@ -182,21 +182,33 @@ def test_cuda_graphs_needs_cuda_and_no_compile(tmp_path, cache_dir):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_gpu_graphed_training_equals_eager(tmp_path, cache_dir, dtype):
-    """8 steps of `tiny` with a learning-rate schedule, two micro-batches and replay simulation: eagerly, and with
-    the step replayed from a CUDA graph (2 eager warm-up steps, then a capture); losses and weights agree within the
-    device's run-to-run noise (atomics in the backward), and the graph did replay."""
-    runs = {}
-    for graphs in (False, True):
-        kw = dict(steps=8, device="cuda", dtype=dtype, grad_accum=2, replay_sim=True, cuda_graphs=graphs)
-        tr = Trainer(tiny(tmp_path / str(graphs), cache_dir, **kw))
+    """8 steps of `tiny` with a learning-rate schedule, two micro-batches and replay simulation, three times with
+    the same graphed-step configuration (tensor lrs, capturable AdamW, no autocast cast cache): twice never captured
+    (every call eager: the device's run-to-run noise — the training kernels' atomics, amplified by Adam where a
+    gradient is near zero) and once replayed from the CUDA graph after 2 warm-up steps. The replayed run's losses
+    and weights differ from the first eager run's by no more than a few times the two eager runs differ, plus a
+    rounding floor.
+
+    The first version compared one eager run (numbers as lrs) with a fixed tolerance and failed on the H100
+    (2026-12-06) on weights only (fp32 `embed.weight` 2.2e-3 of its largest value, bf16 `hc_attn_fn` by its own
+    size, losses within 1e-4): this one tells noise from a graph that replays the wrong thing. Not yet run on a GPU."""
+    def train(name: str, capture: bool):
+        kw = dict(steps=8, device="cuda", dtype=dtype, grad_accum=2, replay_sim=True, cuda_graphs=True)
+        tr = Trainer(tiny(tmp_path / name, cache_dir, **kw))
+        if not capture:
+            tr._step_graph.warmup = 10**9  # the same step function, every call eager on the side stream
         tr.run()
         losses = [r["loss"] for r in read_metrics(tr.out / "metrics.jsonl") if r["type"] == "train"]
-        runs[graphs] = (losses, _params(tr.model), tr._step_graph)
-    (eager, w_eager, _), (graphed, w_graphed, g) = runs[False], runs[True]
-    assert g.captures == 1 and g.replays == 6
-    tol = 1e-4 if dtype == "fp32" else 2e-2
-    assert len(eager) == len(graphed) == 8
-    for a, b in zip(eager, graphed):
-        assert abs(a - b) <= tol * abs(a), (eager, graphed)
-    for name, w in w_eager.items():
-        assert (w_graphed[name] - w).abs().max().item() <= 10 * tol * max(1e-3, w.abs().max().item()), name
+        return losses, _params(tr.model), tr._step_graph
+
+    (a, w_a, ga), (b, w_b, _), (g, w_g, gg) = train("a", False), train("b", False), train("g", True)
+    assert ga.captures == 0 and gg.captures == 1 and gg.replays == 6 and gg.error is None
+    assert len(a) == len(b) == len(g) == 8
+    floor = 1e-6 if dtype == "fp32" else 2e-3  # relative: the dtype's rounding of a handful of updates
+    noise = max(abs(x - y) for x, y in zip(a, b))
+    for x, y in zip(a, g):
+        assert abs(x - y) <= 4 * noise + floor * abs(x), (a, b, g)
+    for name, w in w_a.items():
+        scale = max(1e-3, w.abs().max().item())
+        noise = (w_b[name] - w).abs().max().item()
+        assert (w_g[name] - w).abs().max().item() <= 4 * noise + floor * scale, name
