@@ -66,19 +66,16 @@ def test_a_page_table_row_holds_exactly_the_pages_given():
         pools.set_table(s, 0, list(range(width + 1)))
 
 
-def test_pages_come_in_bulk_in_the_order_single_takes_give_and_all_or_none():
-    """`alloc_pages(n)` hands out what n `alloc_page` calls would (the free list's order: 0, 1, … on a new pool, a
-    freed page next); more than are free is OutOfPages with the pool unchanged."""
+def test_pages_come_in_bulk_in_the_free_lists_order_and_all_or_none():
+    """`alloc_pages(n)` hands out the free list's next n pages (0, 1, … on a new pool; pages freed since come first,
+    the last one freed first); more than are free is OutOfPages with the pool unchanged."""
     c = load_config("tiny")
-    one = BlockManager(c, "cpu", max_slots=2, max_tokens=4096, max_seq_len=2048, page_rows=16)
-    bulk = BlockManager(c, "cpu", max_slots=2, max_tokens=4096, max_seq_len=2048, page_rows=16)
-    s = next(iter(one.sources))
-    singles = [one.alloc_page(s) for _ in range(5)]
-    assert singles == [0, 1, 2, 3, 4] and bulk.alloc_pages(s, 5) == singles and bulk.alloc_pages(s, 0) == []
-    one.free_page_ids(s, [3, 1])
-    bulk.free_page_ids(s, [3, 1])
-    assert bulk.alloc_pages(s, 3) == [one.alloc_page(s) for _ in range(3)] == [3, 1, 5]
-    left = bulk.free_pages(s)
+    pools = BlockManager(c, "cpu", max_slots=2, max_tokens=4096, max_seq_len=2048, page_rows=16)
+    s = next(iter(pools.sources))
+    assert pools.alloc_pages(s, 5) == [0, 1, 2, 3, 4] and pools.alloc_pages(s, 0) == []
+    pools.free_page_ids(s, [3, 1])
+    assert pools.alloc_pages(s, 3) == [3, 1, 5]
+    left = pools.free_pages(s)
     with pytest.raises(OutOfPages, match="no free page"):
-        bulk.alloc_pages(s, left + 1)
-    assert bulk.free_pages(s) == left and bulk.alloc_pages(s, left) == list(range(6, 6 + left))
+        pools.alloc_pages(s, left + 1)
+    assert pools.free_pages(s) == left and pools.alloc_pages(s, left) == list(range(6, 6 + left))

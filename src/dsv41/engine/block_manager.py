@@ -13,7 +13,7 @@ What lives here (SPEC §1a, §4; nano-vllm's `block_manager.py`, vLLM's KV-cache
   * one extra **dummy slot** (id `dummy_slot`) that padded rows of a fixed-size decode batch read
     and write, so a captured batch never touches a real sequence.
 
-Capacity is counted in pages and slots on the host (`pages_needed`, `alloc_page`, `alloc_slot`,
+Capacity is counted in pages and slots on the host (`pages_needed`, `alloc_pages`, `alloc_slot`,
 `free_page_ids`, `free_slot`; the engine's scheduler plans with them): no allocation ever happens on
 the device after start-up, so the memory a server holds is known up
 front and `bytes_per_token()` is measured from the pools themselves.
@@ -185,9 +185,6 @@ class BlockManager:
             raise ValueError(f"BlockManager.free_slot: slot {slot} is not an allocated slot")
         self.clear_slot(slot)
         self._free_slots.append(slot)
-
-    def alloc_page(self, layer_id: int) -> int:
-        return self.alloc_pages(layer_id, 1)[0]
 
     def alloc_pages(self, layer_id: int, n: int) -> list[int]:
         """n pages of a source's pool, in the order n `pop`s of the free list would give (one slice: a prefill
