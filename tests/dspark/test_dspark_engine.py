@@ -33,3 +33,44 @@ def test_a_saved_drafter_is_found_and_speculation_with_it_equals_plain_decode(tm
     assert spec.generate(prompts, max_tokens=10) == plain
     stats = spec.stats.speculative
     assert stats is not None and stats.verifications > 0, stats
+
+
+def test_a_drafters_prompts_prefill_from_static_steps_with_the_same_features():
+    """With static prefill (eager static steps on the CPU) the engine's prompts prefill from static steps even
+    with a drafter (its target layers are decoder layers: the replay captures them) — the drafter observes the
+    same features after each prompt as with the host path, within fp32 rounding, and greedy speculation still
+    equals plain decode."""
+    torch.manual_seed(0)
+    main = Transformer(load_config("tiny")).init_weights(seed=0).eval()
+    dspark = DSpark(with_dspark(load_config("tiny"))).init_weights(seed=1)
+    assert min(dspark.target_layer_ids) >= main.config.encoder_layers
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (5, 17, 40)]
+    plain = Engine(main).generate(prompts, max_tokens=8)
+    observed, runs = {}, {}
+    for static in (False, True):
+        drafter = DSparkDrafter(dspark, max_sequences=4)
+        drafter.observe = _recording(drafter.observe, observed.setdefault(static, []))
+        engine = Engine(main, drafter=drafter, static_prefill=static)
+        assert engine.generate(prompts, max_tokens=8) == plain
+        runs[static] = engine.stats.static_prefill_runs
+    assert runs[False] == 0 and runs[True] >= 2 * len(prompts)  # each prompt's chunk(s) and its replay
+    prefills = {}  # each sequence's first observation: its prompt, after prefill
+    for static, calls in observed.items():
+        first = {}
+        for seq_id, tokens, features in calls:
+            first.setdefault(seq_id, (tokens, features))
+        prefills[static] = list(first.values())
+    assert [len(t) for t, _ in prefills[True]] == [len(t) for t, _ in prefills[False]] == [5, 17, 40]
+    for (tok_a, feat_a), (tok_b, feat_b) in zip(prefills[False], prefills[True]):
+        assert tok_a == tok_b and sorted(feat_a) == sorted(feat_b) == sorted(dspark.target_layer_ids)
+        for i in feat_a:
+            torch.testing.assert_close(feat_b[i], feat_a[i], rtol=0, atol=5e-6 * float(feat_a[i].abs().max()))
+
+
+def _recording(observe, calls: list):
+    """`observe` that first appends (seq_id, tokens, features) to calls."""
+    def wrapped(seq_id, tokens, features):
+        calls.append((seq_id, tokens.tolist(), {i: f.clone() for i, f in features.items()}))
+        return observe(seq_id, tokens, features)
+    return wrapped

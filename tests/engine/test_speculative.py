@@ -516,7 +516,8 @@ def test_a_probe_that_loses_doubles_the_wait_for_the_next():
 def test_cost_model_when_the_batch_drains():
     """`CostModel.worth_drafting(..., remaining=)`, by hand: with no request waiting, drafting goes on while the
     row that finishes last would finish sooner with it — most verifications left (remaining / tokens per
-    verification) × the speculative step's time against most remaining tokens × the plain step's."""
+    verification) × the speculative step's time against most remaining tokens × the plain step's; a bucket it
+    shrinks into is estimated, not measured, and no probe interrupts it."""
     model = CostModel(FLAT)
     for _ in range(3):
         model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)  # the first is not counted: 4 ms per row, 2 tokens
@@ -533,6 +534,21 @@ def test_cost_model_when_the_batch_drains():
     assert not model.worth_drafting(8, fails[:7] + [1.2], [20] * 7 + [200])  # 167 × 4 = 667 ms against 500 ms
     with pytest.raises(ValueError, match="remaining"):
         model.worth_drafting(8, fails, [1, 2])
+    # the batch shrinks into bucket 4, where no speculative step ran: not measured while draining — the estimate
+    # is bucket 8's 4 ms per row × the curve's plain s per row at 4 over at 8 (1/4 ÷ 1/8: FLAT) = 8 ms
+    assert model.spec_estimate(4) == pytest.approx(0.008)
+    for _ in range(3):
+        model.record("plain", 4, 4, 4 * 0.005, 4)  # 5 ms per row
+    assert model.worth_drafting(4, [2.0] * 4, [100] * 4)  # 50 × 8 = 400 ms against 100 × 5 = 500 ms
+    assert not model.worth_drafting(4, [2.0] * 3 + [1.2], [100] * 4)  # 83.3 × 8 = 667 ms against 500 ms
+    assert model.worth_drafting(4, [2.0] * 3 + [1.2])  # not draining: bucket 4 is measured first
+    assert model.steps.get(("spec", 4)) is None
+    # no probe while draining: 40 plain steps in a row at bucket 8, then the decision stays on the measurements
+    for _ in range(40):
+        model.record("plain", 8, 8, 8 * 0.0025, 8)
+    assert not model.worth_drafting(8, [1.5] * 8, [100] * 8)  # 66.7 × 4 = 267 ms against 250 ms
+    assert model.worth_drafting(8, [1.5] * 8)  # a batch that refills probes (its measurements: 375 < 400 per s)
+    assert CostModel(FLAT).spec_estimate(4) is None  # nothing measured: nothing to scale
 
 
 def _run_logprobs(engine: Engine, prompts, max_tokens, k: int):

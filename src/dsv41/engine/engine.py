@@ -171,9 +171,10 @@ def dense_piece_tokens(moe) -> int:
 def prefill_defaults(prefill_chunk: int | None, prefill_layers: int | str | None, static_prefill: bool,
                      graphs: bool, drafter: bool) -> tuple[int, int | None]:
     """`Engine`'s prefill_chunk (None) and prefill_layers ("auto") beside decoding streams: whole runs of
-    STATIC_PREFILL_CHUNK tokens where static prefill replays them from CUDA graphs and no drafter runs (a drafter's
-    jobs capture features, so they run on the host path, where a short whole run costs ~820 launches); else
-    HOST_PREFILL_CHUNK-token runs in 4-layer pieces. Given values are kept."""
+    STATIC_PREFILL_CHUNK tokens where static prefill replays them from CUDA graphs and no drafter's jobs leave it
+    (`drafter`: a drafter whose features only the host path captures — encoder layers, or exact prefill —, where a
+    short whole run costs ~820 launches); else HOST_PREFILL_CHUNK-token runs in 4-layer pieces. Given values are
+    kept."""
     graphed_runs = static_prefill and graphs and not drafter
     if prefill_chunk is None:
         prefill_chunk = STATIC_PREFILL_CHUNK if graphed_runs else HOST_PREFILL_CHUNK
@@ -252,8 +253,12 @@ class Engine:
         self.runner = Runner(model)
         if static_prefill is None:
             static_prefill = use_graphs and encoder_only_supported(self.runner)
+        # a drafter's prompts prefill from static steps too when its features come from decoder layers (the
+        # replay captures them) and prefill is encoder-only
+        host_features = drafter is not None and (exact_prefill or not all(
+            c.encoder_layers <= i < c.n_layers for i in drafter.features_wanted()))
         prefill_chunk, prefill_layers = prefill_defaults(prefill_chunk, prefill_layers, bool(static_prefill),
-                                                         use_graphs, drafter is not None)
+                                                         use_graphs, host_features)
         self.prefill_chunk, self.max_batch, self.exact_prefill = prefill_chunk, max_batch, exact_prefill
         self.prefix_cache = prefix_cache
         self.max_seq_len = int(max_seq_len or c.max_seq_len)

@@ -158,8 +158,9 @@ class PrefillJob:
     static: a `StaticPrefill` (the engine's, on its pools) that runs every *whole* run of a plain prompt — an
     encoder or exact chunk, or the decoder replay, through all its layers in one piece — from static steps
     (CUDA graphs on CUDA) instead of the host-driven forward; the same function (tests/engine/test_static_prefill.py).
-    Runs cut between layers (a layer budget), batched pieces, images, encoder replay, captured features and
-    continued decoder windows stay on the host path."""
+    Runs cut between layers (a layer budget), batched pieces, images, encoder replay, continued decoder windows
+    and features captured from encoder layers or in an exact prefill stay on the host path (a drafter's decoder
+    layers of an encoder-only prefill: the static replay captures them)."""
 
     def __init__(self, runner: Runner, seq: SequenceCache, tokens: list[int], *, chunk: int = 2048,
                  exact: bool = False, encoder_replay: int = 0, decoder_windows_valid: bool = False,
@@ -313,10 +314,13 @@ class PrefillJob:
 
     def _static_run_fits(self, layers: int | None) -> bool:
         """The next run goes to `static`: it runs whole (`layers` covers it) and is of a kind `StaticPrefill` runs —
-        a text prompt, no encoder replay, no captured features, a decoder replay that starts its windows afresh."""
-        if self.static is None or self.images is not None or self.replay_start is not None or self.capture_layers:
+        a text prompt, no encoder replay, a decoder replay that starts its windows afresh, features captured only
+        from decoder layers of an encoder-only prefill (the replay's)."""
+        if self.static is None or self.images is not None or self.replay_start is not None:
             return False
         c = self.runner.config
+        if self.capture_layers and (self.exact or min(self.capture_layers) < c.encoder_layers):
+            return False
         if self.decoder_pending:
             lo = self.n_total - self._n_replay()
             n_layers = c.n_layers - c.encoder_layers
@@ -331,7 +335,10 @@ class PrefillJob:
         self.static_runs += 1
         if self.decoder_pending:
             T = self._n_replay()
-            logits = self.static.replay(self.seq, T, self.tail_h[:, -T:], self.tail_pre[:, -T:])
+            capture = Capture(layers=self.capture_layers, at=self.capture_at) if self.capture_layers else None
+            logits = self.static.replay(self.seq, T, self.tail_h[:, -T:], self.tail_pre[:, -T:], capture=capture)
+            if capture is not None:  # the window's features, as the host path's decoder run keeps them
+                self.features = {i: f[0] for i, f in capture.features.items()}
             self.done = True
             self.tail_h = self.tail_pre = None
             return logits

@@ -94,7 +94,7 @@ class StepRecord:
     blocks: Tensor | None = None  # (B, T, kb) candidate block ids of the candidate source, −1 = none
     rotations: dict[bool, tuple[Tensor, Tensor]] = field(default_factory=dict)
     image_mask: Tensor | None = None  # (B, T) image positions of a prefill piece (bias_vl routing, dead for Engram)
-    capture: Capture | None = None  # hidden states / projections to hand back (host-driven only)
+    capture: Capture | None = None  # hidden states / projections to hand back
     valid: Tensor | None = None  # (B,) ragged static rows (`DecodeIO(ragged=True)`): block positions [0, valid) are
     # real, the rest padding whose per-slot state (window ring, partial group, entries) is never written
     window_in_block: bool = False  # every window key a query sees is in the block (the static replay: its window
@@ -215,14 +215,16 @@ class Runner:
 
     @torch.no_grad()
     def static_layers(self, io: DecodeIO, B: int, n_max: dict[int, int], layers: range, h: Tensor | None = None,
-                      pre_mix: Tensor | None = None, *, compress: bool = True, replay: bool = False
-                      ) -> tuple[Tensor, Tensor]:
+                      pre_mix: Tensor | None = None, *, compress: bool = True, replay: bool = False,
+                      capture: Capture | None = None) -> tuple[Tensor, Tensor]:
         """The static step of io's first B rows through `layers` only, the streams (h, pre_mix) in (from
         layers.start > 0) and out, no head: an encoder-only prefill chunk (the encoder layers, `compress`),
         or the decoder's bounded replay of a window already in the cache (replay: the window starts at each
-        row's first position; compress=False: its entries exist). Device ops only, like `decode`."""
+        row's first position; compress=False: its entries exist). Device ops only, like `decode`. `capture`:
+        its layers' features (B, T, dim) into capture.features (a drafter's, from the replay: `StaticPrefill`)."""
         record = io.record(B, n_max)
         record.compress = compress
+        record.capture = capture
         if replay:
             record.replay_start = record.positions[:, 0].contiguous()
             record.window_in_block = True

@@ -183,10 +183,18 @@ class CostModel:
         row still needs, remaining / tokens per verification, at the speculative step's time, against the most
         remaining tokens at the plain step's (the steps' sizes as now; as rows finish the steps only get
         cheaper). A row whose drafts keep failing then stops the batch drafting, where the mean would keep it
-        drafting at about twice the plain step's cost per token for that row (issue 19's closed batch of 64)."""
-        if len(self.times.get(("spec", bucket), [])) < self.warmup or self.tokens is None:
+        drafting at about twice the plain step's cost per token for that row (issue 19's closed batch of 64).
+        A draining batch neither probes nor measures a bucket it shrinks into: there a speculative step's time is
+        a measured bucket's scaled by the step-time curve (`spec_estimate`) — the tail of a closed batch is too
+        short for measurements to pay (2026-12-07, H100: three measuring steps per new bucket at ~2× a plain
+        step's time, each emitting fewer tokens per row than it cost)."""
+        draining = rows is not None and remaining is not None
+        t_spec = self.median("spec", bucket) if len(self.times.get(("spec", bucket), [])) >= self.warmup else None
+        if draining and t_spec is None and self.tokens is not None:
+            t_spec = self.spec_estimate(bucket)
+        if t_spec is None or self.tokens is None:
             return True  # measure it
-        if self.plain_run.get(bucket, 0) >= self.probe_gap.get(bucket, self.probe_every):
+        if not draining and self.plain_run.get(bucket, 0) >= self.probe_gap.get(bucket, self.probe_every):
             return True  # probe
         t_plain = self.median("plain", bucket)
         if t_plain is None:
@@ -196,15 +204,26 @@ class CostModel:
             if len(remaining) != len(rows):
                 raise ValueError(f"remaining has {len(remaining)} rows, rows has {len(rows)}")
             per_row = [self.tokens if n is None else n for n in rows]
-            spec = max(r / max(n, 1.0) for r, n in zip(remaining, per_row)) * self.median("spec", bucket)
+            spec = max(r / max(n, 1.0) for r, n in zip(remaining, per_row)) * t_spec
             draft = spec < max(remaining) * t_plain
         else:
             if rows:
                 tokens = sum(self.tokens if n is None else n for n in rows) / len(rows)
-            draft = tokens / self.median("spec", bucket) > 1 / t_plain
+            draft = tokens / t_spec > 1 / t_plain
         if draft:
             self.probe_gap.pop(bucket, None)
         return draft
+
+    def spec_estimate(self, bucket: int) -> float | None:
+        """Seconds per row of a speculative step at `bucket` where none is counted: the nearest measured
+        bucket's (its warm-up done), times the step-time curve's plain seconds per row at `bucket` over those at
+        that bucket (speculative and plain steps grow alike with the batch). None when no bucket is measured."""
+        measured = [b for (kind, b), ts in self.times.items() if kind == "spec" and len(ts) >= self.warmup]
+        if not measured:
+            return None
+        near = min(measured, key=lambda b: (abs(b - bucket), b))
+        per_row = lambda b: self.step_time(b) / b  # noqa: E731
+        return self.median("spec", near) * per_row(bucket) / per_row(near)
 
     def summary(self) -> dict:
         """Per (kind, bucket): the median s per row and the steps seen; the speculative tokens per row."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,7 +33,7 @@ from dsv41.engine.block_manager import BlockManager
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.graphs import capture_graph, entry_bound
 from dsv41.engine.prefill import encoder_only_supported
-from dsv41.engine.runner import DecodeIO, Runner
+from dsv41.engine.runner import Capture, DecodeIO, Runner
 from dsv41.plan import FULL
 
 log = logging.getLogger(__name__)
@@ -91,33 +92,36 @@ class StaticPrefill:
 
     # ------------------------------------------------------------------ entry points
     @torch.no_grad()
-    def __call__(self, seq: SequenceCache, tokens: list[int], *, exact: bool = False) -> Tensor:
-        """Prefill `tokens` after what seq holds: encoder-only with the decoder's bounded replay, or every layer
-        (`exact`); the last position's logits (vocab,) fp32."""
-        if not tokens:
+    def __call__(self, seq: SequenceCache, tokens: list[int] | np.ndarray, *, exact: bool = False,
+                 capture: Capture | None = None) -> Tensor:
+        """Prefill `tokens` (a list or a 1-D integer array) after what seq holds: encoder-only with the decoder's
+        bounded replay, or every layer (`exact`); the last position's logits (vocab,) fp32. `capture`: decoder
+        layers' features of the replayed window for a drafter (`replay`); encoder-only only."""
+        if len(tokens) == 0:
             raise ValueError("prefill needs at least one token")
-        h, pre = self.encode(seq, tokens, exact=exact)
+        if capture is not None and exact:
+            raise ValueError("StaticPrefill captures features in the decoder replay: encoder-only prefill only")
+        if len(tokens) > self.chunk:
+            h, pre = self.encode(seq, tokens, exact=exact)
+            n = h.size(1)
+        else:  # one piece: its graph's outputs are read at once, no copy of its tail (~10 µs of device time)
+            (h, pre, n), = self._pieces(seq, tokens, exact)
         if exact:
-            return self.runner.logits(h, pre)[0]
-        n = min(self.config.window_size, len(tokens))
-        return self.replay(seq, n, h[:, -n:], pre[:, -n:])
+            return self.runner.logits(h[:, :n], pre[:, :n])[0]
+        m = min(self.config.window_size, n)
+        return self.replay(seq, m, h[:, n - m:n], pre[:, n - m:n], capture=capture)
 
     @torch.no_grad()
-    def encode(self, seq: SequenceCache, tokens: list[int], *, exact: bool = False) -> tuple[Tensor, Tensor]:
-        """`tokens` after what seq holds through the encoder layers (the decoder's kv source compressed from their
-        output) or, `exact`, through every layer; appends them to seq.tokens. Returns the streams (h, pre_mix) of
-        the last min(window, len(tokens)) positions (fresh tensors: the decoder replay's input)."""
+    def encode(self, seq: SequenceCache, tokens: list[int] | np.ndarray, *, exact: bool = False
+               ) -> tuple[Tensor, Tensor]:
+        """`tokens` (a list, or a 1-D integer array: converting an 8K list takes ~0.14 ms before the first
+        launch on the H100 box) after what seq holds through the encoder layers (the decoder's kv source
+        compressed from their output) or, `exact`, through every layer; appends them to seq.tokens. Returns the
+        streams (h, pre_mix) of the last min(window, len(tokens)) positions (fresh tensors: the decoder replay's
+        input, valid across later replays)."""
         W = self.config.window_size
         tail: list[tuple[Tensor, Tensor]] = []
-        for lo in range(0, len(tokens), self.chunk):
-            piece = tokens[lo:lo + self.chunk]
-            n = len(piece)
-            io = self._io(n)
-            io.wait_sent()  # the last copy out of its pinned host buffer is done before it is written again
-            io.fill_batch([seq], [piece])
-            io.send()
-            h, pre = self._run(io, "exact" if exact else "encoder", n)
-            seq.tokens.extend(piece)
+        for h, pre, n in self._pieces(seq, tokens, exact):
             keep = min(W, n)
             tail.append((h[:, n - keep:n].clone(), pre[:, n - keep:n].clone()))  # a graph's outputs: its next replay
             while sum(t[0].size(1) for t in tail[1:]) >= W:  # the pieces that hold the last W positions
@@ -126,13 +130,37 @@ class StaticPrefill:
         pre = torch.cat([t[1] for t in tail], dim=1)[:, -W:]
         return h, pre
 
+    def _pieces(self, seq: SequenceCache, tokens: list[int] | np.ndarray, exact: bool):
+        """Run `tokens` in pieces of at most `chunk`, appending them to seq.tokens; yields each piece's streams
+        (1, T, ...) and its n real positions — a graph's outputs, overwritten by that graph's next replay."""
+        if isinstance(tokens, np.ndarray):
+            if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+                raise ValueError(f"prefill tokens as an array must be 1-D integers, got {tokens.dtype} {tokens.shape}")
+            tokens = tokens.astype(np.int64, copy=False)
+        for lo in range(0, len(tokens), self.chunk):
+            piece = tokens[lo:lo + self.chunk]
+            n = len(piece)
+            io = self._io(n)
+            io.wait_sent()  # the last copy out of its pinned host buffer is done before it is written again
+            io.fill_batch([seq], [piece])
+            io.send()
+            h, pre, _ = self._run(io, "exact" if exact else "encoder", n)
+            seq.tokens.extend(piece if isinstance(piece, list) else piece.tolist())  # after the launch: overlapped
+            yield h, pre, n
+
     @torch.no_grad()
-    def replay(self, seq: SequenceCache, n: int, h: Tensor, pre: Tensor) -> Tensor:
+    def replay(self, seq: SequenceCache, n: int, h: Tensor, pre: Tensor, *, capture: Capture | None = None
+               ) -> Tensor:
         """The decoder's bounded replay of seq's last n (≤ window) tokens from their encoder streams h (1, n, hc,
         dim), pre (1, n, hc): the window starts at their first position, their entries are cached already. The
-        last position's logits (vocab,) fp32."""
+        last position's logits (vocab,) fp32.
+
+        capture: `Capture(layers, at)` of decoder layers (what a speculative drafter wants, as `PrefillJob`'s
+        capture_layers); capture.features gets, per layer, the mean over streams at the n replayed positions
+        (1, n, dim) — fresh tensors."""
         if not 1 <= n <= self.config.window_size or h.size(1) != n:
             raise ValueError(f"a decoder replay of {n} tokens (streams of {h.size(1)}); 1 <= n <= window size")
+        layers = self._capture_layers(capture)
         io = self._io(n)
         io.wait_sent()
         io.fill_batch([seq], [seq.tokens[-n:]], positions=[seq.n_tokens - n], reserve=False)
@@ -143,54 +171,71 @@ class StaticPrefill:
         h_in, pre_in = self._replay_in[T]
         h_in[:, :n].copy_(h)
         pre_in[:, :n].copy_(pre)
-        h, pre = self._run(io, "replay", n, h_in, pre_in)
+        h, pre, features = self._run(io, "replay", n, h_in, pre_in, layers)
+        if capture is not None:
+            capture.features.update({i: f[:, :n].clone() for i, f in features.items()})
         return self.runner.logits(h[:, :n], pre[:, :n])[0]
 
+    def _capture_layers(self, capture: Capture | None) -> tuple[tuple[int, ...], str] | None:
+        """A replay's capture as part of its graph key: (layers, at), checked to be decoder layers."""
+        if capture is None:
+            return None
+        c = self.config
+        if capture.projections or not all(c.encoder_layers <= i < c.n_layers for i in capture.layers):
+            raise ValueError(f"StaticPrefill captures features of decoder layers [{c.encoder_layers}, {c.n_layers}) "
+                             f"(no projections); got layers {capture.layers}, projections={capture.projections}")
+        return tuple(capture.layers), capture.at
+
     # ------------------------------------------------------------------ one piece
-    def _run(self, io: DecodeIO, kind: str, n: int, h: Tensor | None = None, pre: Tensor | None = None
-             ) -> tuple[Tensor, Tensor]:
+    def _run(self, io: DecodeIO, kind: str, n: int, h: Tensor | None = None, pre: Tensor | None = None,
+             capture: tuple[tuple[int, ...], str] | None = None) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
         """One piece of `kind` ("encoder", "exact" or "replay") at io's shape, from its graph when graphs are on,
-        else eagerly; the streams out (1, T, ...), real at [0, n)."""
+        else eagerly; the streams out (1, T, ...), real at [0, n), and the captured layers' features (1, T, dim)
+        (a replay with `capture` = (layers, at))."""
         self.pieces += 1
         n_max = io.max_entries(1)
         if not self.graphs:
-            return self._step(io, kind, n_max, h, pre)
+            return self._step(io, kind, n_max, h, pre, capture)
         n_max = {s: entry_bound(v, self.min_entries) for s, v in n_max.items()}
-        key = (kind, io.T, tuple(sorted(n_max.items())))
+        key = (kind, io.T, tuple(sorted(n_max.items()))) + ((capture,) if capture else ())
         if key not in self._graphs:
             try:
-                self._graphs[key] = self._capture(io, kind, n_max, h, pre)
+                self._graphs[key] = self._capture(io, kind, n_max, h, pre, capture)
             except RuntimeError as err:  # a step that cannot be captured: every piece eagerly from now on
                 log.warning("StaticPrefill: CUDA-graph capture failed (%s); running its pieces eagerly", err)
                 self.graphs = False
                 torch.cuda.synchronize()
-                return self._step(io, kind, io.max_entries(1), h, pre)
+                return self._step(io, kind, io.max_entries(1), h, pre, capture)
         graph, out = self._graphs[key]
         graph.replay()
         self.replays[key] += 1
         return out
 
-    def _step(self, io: DecodeIO, kind: str, n_max: dict[int, int], h: Tensor | None, pre: Tensor | None
-              ) -> tuple[Tensor, Tensor]:
+    def _step(self, io: DecodeIO, kind: str, n_max: dict[int, int], h: Tensor | None, pre: Tensor | None,
+              capture: tuple[tuple[int, ...], str] | None = None) -> tuple[Tensor, Tensor, dict[int, Tensor]]:
         c, runner = self.config, self.runner
         enc = c.encoder_layers
         if kind == "exact":
-            return runner.static_layers(io, 1, n_max, range(c.n_layers))
+            return *runner.static_layers(io, 1, n_max, range(c.n_layers)), {}
         if kind == "encoder":
             h, pre = runner.static_layers(io, 1, n_max, range(enc))
             if c.compress_ratios[enc] and runner.plans[enc].mode == FULL:  # `PrefillJob._finish`'s rule
                 runner.static_produce(io, 1, n_max, enc, h, pre)
-            return h, pre
-        return runner.static_layers(io, 1, n_max, range(enc, c.n_layers), h, pre, compress=False, replay=True)
+            return h, pre, {}
+        cap = Capture(layers=capture[0], at=capture[1]) if capture else None
+        h, pre = runner.static_layers(io, 1, n_max, range(enc, c.n_layers), h, pre, compress=False, replay=True,
+                                      capture=cap)
+        return h, pre, (cap.features if cap is not None else {})
 
-    def _capture(self, io: DecodeIO, kind: str, n_max: dict[int, int], h: Tensor | None, pre: Tensor | None):
+    def _capture(self, io: DecodeIO, kind: str, n_max: dict[int, int], h: Tensor | None, pre: Tensor | None,
+                 capture: tuple[tuple[int, ...], str] | None = None):
         """Capture the step on all-padding inputs (the dummy slot: warm-up writes touch no sequence), then put
         the real inputs back (`graphs.DecodeGraphs._capture`'s rule); the outputs stay where the graph writes."""
         real = io.device.clone()
         io.device.copy_(io.pad_device)
-        out: dict[str, tuple[Tensor, Tensor]] = {}  # the captured run's streams (the warm-ups' are overwritten)
+        out: dict[str, tuple] = {}  # the captured run's streams and features (the warm-ups' are overwritten)
         try:
-            graph = capture_graph(lambda: out.update(streams=self._step(io, kind, n_max, h, pre)), self._pool)
+            graph = capture_graph(lambda: out.update(streams=self._step(io, kind, n_max, h, pre, capture)), self._pool)
         finally:
             io.device.copy_(real)
         self.captures += 1
