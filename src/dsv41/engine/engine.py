@@ -944,15 +944,18 @@ class Engine:
         out.copy_(self._anchors[:B], non_blocking=True)
         return out
 
-    def _fetch_proposal(self, prop, drafts: Tensor) -> tuple[list[list[int]], list[bool]]:
+    def _fetch_proposal(self, prop, drafts: Tensor, logits: Tensor
+                        ) -> tuple[list[list[int]], list[bool], list[list[int]]]:
         """After the verification step: the drafts (B, k) the step ran (the proposal's ids clamped into the
-        vocabulary — a row that needed it verifies nothing) and per row whether its ids were valid."""
+        vocabulary — a row that needed it verifies nothing), per row whether its ids were valid, and the argmax
+        of each verified position (logits (B, T, V): what greedy acceptance compares) — one transfer."""
         tokens = prop.tokens.long()
+        k = drafts.size(1)
         bad = ((tokens < 0) | (tokens >= self.config.vocab_size)).any(dim=1, keepdim=True)  # (B, 1)
-        rows = torch.cat((drafts, bad.long()), dim=1).tolist()  # waits for the step
-        if any(row[-1] for row in rows):
+        rows = torch.cat((drafts, bad.long(), logits.argmax(dim=-1)), dim=1).tolist()  # waits for the step
+        if any(row[k] for row in rows):
             log.warning("the drafter proposed token ids outside the vocabulary; those rows verify no drafts")
-        return [row[:-1] for row in rows], [not row[-1] for row in rows]
+        return [row[:k] for row in rows], [not row[k] for row in rows], [row[k + 1:] for row in rows]
 
     def _speculate(self, seqs: list[Sequence]) -> list[StepOutput]:
         """One verification step: propose, choose lengths, verify in one forward, accept, roll back, emit (the
@@ -982,12 +985,13 @@ class Engine:
             on_device = prop.tokens.long().clamp(0, c.vocab_size - 1)  # (B, k)
             logits = self._run_static(self.vio, self.vgraphs, caches, [[s.next_token] * T for s in seqs],
                                       drafts=on_device)  # (B, T, V) fp32
-            drafts, valid = self._fetch_proposal(prop, on_device)
+            drafts, valid, greedy_ids = self._fetch_proposal(prop, on_device, logits)
             lengths = [min(cap, batch_cap) if ok else 0 for cap, ok in zip(caps, valid)]
             block = [[s.next_token] + d for s, d in zip(seqs, drafts)]
             features = {layer: self.vio.features[j, :B] for j, layer in enumerate(self.vio.capture_layers)}
             projections = {s: (kv[:B], sc[:B]) for s, (kv, sc) in self.vio.projections.items()}
         else:
+            greedy_ids = None
             prop, confidence = self._propose(seqs)
             if prop is None:
                 lengths = [0] * B
@@ -1009,7 +1013,7 @@ class Engine:
         for cache, row in zip(caches, block):
             cache.tokens.extend(row)
         verdicts = verify(logits, drafts, lengths, [s.params for s in seqs], [s.generator for s in seqs],
-                          None if prop is None else prop.probs)
+                          None if prop is None else prop.probs, greedy_ids=greedy_ids)
         plans = [self._emission(s, v.tokens, start) for s, v, start in zip(seqs, verdicts, starts)]
         if rollback is None:
             self._restore_static(caches, starts, [len(tokens) for tokens, _ in plans])

@@ -342,17 +342,20 @@ def rejection_residual(p: Tensor, q: Tensor | None, x: int) -> Tensor:
 
 
 def verify(logits: Tensor, drafts: list[list[int]], lengths: list[int], params: list[SamplingParams],
-           generators: list[torch.Generator | None], draft_probs: Tensor | None = None) -> list[Verdict]:
+           generators: list[torch.Generator | None], draft_probs: Tensor | None = None, *,
+           greedy_ids: list[list[int]] | None = None) -> list[Verdict]:
     """Acceptance for each row: logits (B, T, V) of the verified positions (position l predicts the token
     after draft l), drafts[b][:lengths[b]] the drafted tokens, draft_probs (B, k, V) their distributions
     (None: deterministic drafts, q = one-hot). Greedy rows: exact match with the argmax (no random draw).
     Sampled rows: the rejection rule against p = `sampling_probs` (what plain sampling draws from): draft l
     is accepted iff u_l · q(x) < p(x), i.e. with probability min(1, p(x)/q(x)); the first rejected one is
     replaced by a draw from `rejection_residual`, or after L acceptances a bonus token is drawn from p_L.
-    A sampled row takes L + 1 uniforms from its generator per verification (the last one for that draw)."""
+    A sampled row takes L + 1 uniforms from its generator per verification (the last one for that draw).
+    greedy_ids: logits.argmax(-1) as (B, T) lists when the caller has fetched it already (one transfer fewer)."""
     B, T, V = logits.shape
     out: list[Verdict | None] = [None] * B
-    greedy_ids = logits.argmax(dim=-1).tolist()  # (B, T): ties to the lowest id, as `sample`
+    if greedy_ids is None:
+        greedy_ids = logits.argmax(dim=-1).tolist()  # (B, T): ties to the lowest id, as `sample`
     sampled = []
     for b, (prm, L) in enumerate(zip(params, lengths)):
         d = drafts[b][:L]
