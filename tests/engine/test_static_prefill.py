@@ -348,11 +348,7 @@ def test_a_job_hands_static_only_whole_runs_that_start_their_windows_afresh():
     truncation — the same logits as the host path alone in each case."""
     from dsv41.engine.prefill import PrefillJob
 
-    model = _model(98)
-    c = model.config
-    runner = Runner(model)
-    pools = BlockManager(c, torch.device("cpu"), max_slots=4, max_tokens=2048, max_seq_len=512, page_rows=16)
-    static = StaticPrefill(runner, pools, chunk=64, min_tokens=8)
+    c, runner, pools, static = _jobs_setup(98, slots=4)
     g = torch.Generator().manual_seed(9)
     prompt = torch.randint(3, 1000, (90,), generator=g).tolist()
 
@@ -380,6 +376,15 @@ def test_a_job_hands_static_only_whole_runs_that_start_their_windows_afresh():
     torch.testing.assert_close(caches[1], caches[0], rtol=0, atol=2e-6 * float(caches[0].abs().max()))
 
 
+def _jobs_setup(seed: int, slots: int):
+    """A model's config and runner, CPU pools of `slots` slots and a StaticPrefill of 64-token pieces on them."""
+    model = _model(seed)
+    runner = Runner(model)
+    pools = BlockManager(model.config, torch.device("cpu"), max_slots=slots, max_tokens=2048, max_seq_len=512,
+                         page_rows=16)
+    return model.config, runner, pools, StaticPrefill(runner, pools, chunk=64, min_tokens=8)
+
+
 def prefill_rest(job) -> torch.Tensor:
     while True:
         logits = job.step()
@@ -396,11 +401,7 @@ def test_a_drafters_decoder_features_come_from_the_static_replay(at):
     from dsv41.engine.prefill import PrefillJob
     from dsv41.engine.runner import Capture
 
-    model = _model(99)
-    c = model.config
-    runner = Runner(model)
-    pools = BlockManager(c, torch.device("cpu"), max_slots=6, max_tokens=2048, max_seq_len=512, page_rows=16)
-    static = StaticPrefill(runner, pools, chunk=64, min_tokens=8)
+    c, runner, pools, static = _jobs_setup(99, slots=6)
     g = torch.Generator().manual_seed(4)
     wanted = (c.encoder_layers + 1, c.n_layers - 1)  # decoder layers, not the first
     for n, runs in ((90, 3), (21, 2)):  # two encoder chunks and the replay; one chunk and a replay padded to 32
