@@ -431,3 +431,6 @@ def test_a_drafters_decoder_features_come_from_the_static_replay(at):
                       capture=Capture(layers=(1,)))
     with pytest.raises(ValueError, match="encoder-only"):
         static(seq, prompt[:10], exact=True, capture=Capture(layers=wanted))
+    with pytest.raises(ValueError, match="decoder layers"):
+        static(seq, prompt[:10], capture=Capture(layers=wanted, projections=True))
+    assert seq.tokens == [] and seq.n_tokens == 0  # refused before any piece ran
