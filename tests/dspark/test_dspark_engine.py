@@ -67,7 +67,7 @@ def test_a_drafters_prompts_prefill_from_static_steps_with_the_same_features():
     for (tok_a, feat_a), (tok_b, feat_b) in zip(prefills[False], prefills[True]):
         assert tok_a == tok_b and sorted(feat_a) == sorted(feat_b) == sorted(dspark.target_layer_ids)
         for i in feat_a:
-            torch.testing.assert_close(feat_b[i], feat_a[i], rtol=0, atol=5e-6 * float(feat_a[i].abs().max()))
+            torch.testing.assert_close(feat_b[i], feat_a[i], rtol=0, atol=1e-6 * float(feat_a[i].abs().max()))
 
 
 def _recording(observe, calls: list):
