@@ -68,7 +68,7 @@ def test_a_page_table_row_holds_exactly_the_pages_given():
 
 def test_pages_come_in_bulk_in_the_free_lists_order_and_all_or_none():
     """`alloc_pages(n)` hands out the free list's next n pages (0, 1, … on a new pool; pages freed since come first,
-    the last one freed first); more than are free is OutOfPages with the pool unchanged."""
+    in the order they were freed); more than are free is OutOfPages with the pool unchanged."""
     c = load_config("tiny")
     pools = BlockManager(c, "cpu", max_slots=2, max_tokens=4096, max_seq_len=2048, page_rows=16)
     s = next(iter(pools.sources))

@@ -204,7 +204,7 @@ def test_gpu_graphed_training_equals_eager(tmp_path, cache_dir, dtype):
     (a, ga), (b, _), (g, gg) = train("a", False), train("b", False), train("g", True)
     assert ga.captures == 0 and gg.captures == 1 and gg.replays == 6 and gg.error is None
     assert len(a) == len(b) == len(g) == 8
-    floor = 5e-5 if dtype == "fp32" else 2e-4  # relative to the loss: 3x the largest replayed-vs-eager difference
+    floor = 5e-5 if dtype == "fp32" else 2e-4  # of the loss: 3x / 1.7x the largest replayed-vs-eager difference
     noise = max(abs(x - y) for x, y in zip(a, b))
     for x, y in zip(a, g):
         assert abs(x - y) <= 4 * noise + floor * abs(x), (a, b, g)

@@ -42,7 +42,7 @@ from torch import Tensor
 from dsv41.engine.block_manager import PAGE_ROWS, BlockManager, to_device
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.graphs import DecodeGraphs, batch_buckets, bucket
-from dsv41.engine.prefill import PrefillJob, encode_prompt_images, encoder_only_supported
+from dsv41.engine.prefill import PrefillJob, encode_prompt_images, encoder_only_supported, static_capture_fits
 from dsv41.engine.prefix import PrefixCache, image_namespace
 from dsv41.engine.runner import Capture, DecodeIO, Runner
 from dsv41.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
@@ -255,8 +255,7 @@ class Engine:
             static_prefill = use_graphs and encoder_only_supported(self.runner)
         # a drafter's prompts prefill from static steps too when its features come from decoder layers (the
         # replay captures them) and prefill is encoder-only
-        host_features = drafter is not None and (exact_prefill or not all(
-            c.encoder_layers <= i < c.n_layers for i in drafter.features_wanted()))
+        host_features = drafter is not None and not static_capture_fits(c, drafter.features_wanted(), exact_prefill)
         prefill_chunk, prefill_layers = prefill_defaults(prefill_chunk, prefill_layers, bool(static_prefill),
                                                          use_graphs, host_features)
         self.prefill_chunk, self.max_batch, self.exact_prefill = prefill_chunk, max_batch, exact_prefill

@@ -85,6 +85,12 @@ def encoder_only_supported(runner: Runner) -> bool:
     return decoder_sources in ([], [c.encoder_layers])
 
 
+def static_capture_fits(config, layers: Sequence[int], exact: bool) -> bool:
+    """Whether static prefill can hand a drafter these layers' features: decoder layers of an encoder-only
+    prefill (its decoder replay runs them, `StaticPrefill.replay(capture=)`); no layers: nothing to capture."""
+    return not layers or (not exact and all(config.encoder_layers <= i < config.n_layers for i in layers))
+
+
 @dataclass(frozen=True)
 class Piece:
     """One step's share of a prefill: `layers` consecutive layers of one run — an encoder (exact: all-layer)
@@ -319,7 +325,7 @@ class PrefillJob:
         if self.static is None or self.images is not None or self.replay_start is not None:
             return False
         c = self.runner.config
-        if self.capture_layers and (self.exact or min(self.capture_layers) < c.encoder_layers):
+        if not static_capture_fits(c, self.capture_layers, self.exact):
             return False
         if self.decoder_pending:
             lo = self.n_total - self._n_replay()

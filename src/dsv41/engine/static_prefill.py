@@ -32,7 +32,7 @@ from torch import Tensor
 from dsv41.engine.block_manager import BlockManager
 from dsv41.engine.cache import SequenceCache
 from dsv41.engine.graphs import capture_graph, entry_bound
-from dsv41.engine.prefill import encoder_only_supported
+from dsv41.engine.prefill import encoder_only_supported, static_capture_fits
 from dsv41.engine.runner import Capture, DecodeIO, Runner
 from dsv41.plan import FULL
 
@@ -182,7 +182,7 @@ class StaticPrefill:
         if capture is None:
             return None
         c = self.config
-        if capture.projections or not all(c.encoder_layers <= i < c.n_layers for i in capture.layers):
+        if capture.projections or not static_capture_fits(c, capture.layers, exact=False):
             raise ValueError(f"StaticPrefill captures features of decoder layers [{c.encoder_layers}, {c.n_layers}) "
                              f"(no projections); got layers {capture.layers}, projections={capture.projections}")
         return tuple(capture.layers), capture.at
