@@ -44,6 +44,7 @@ class TimedDrafter:
         self.drafter, self.sync, self.seconds = drafter, sync, 0.0
         self.k = drafter.k
         self.features_at = getattr(drafter, "features_at", "output")
+        self.pure_propose = getattr(drafter, "pure_propose", False)  # the engine's early proposal
         if hasattr(drafter, "observe_many"):  # the engine's batched hand-over, when the drafter has one
             self.observe_many = lambda *args: self._timed(drafter.observe_many, *args)
         if hasattr(drafter, "warm_up"):  # the engine captures the drafter's graphs at start-up
@@ -222,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the plain engine's overlapped decode (auto: the engine's default, on with CUDA)")
     ap.add_argument("--spec-overlap", action="store_true",
                     help="the speculative engine overlaps the plain steps its cost model chooses (overlap=True)")
+    ap.add_argument("--no-prelaunch", action="store_true",
+                    help="the speculative engine proposes at the start of each step, never at the end of the one "
+                         "before (the comparison for Engine._prelaunch)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
     args = ap.parse_args(argv)
@@ -292,10 +296,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.drafter == "noisy":
             inner = NoisyDrafter(c.vocab_size, args.draft_tokens, base=inner, noise=0.3)
         drafter = TimedDrafter(inner, sync if args.sync_drafter else (lambda: None))
+        if args.no_prelaunch:
+            drafter.pure_propose = False
         t0 = time.perf_counter()
         spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate,
                              prefill_layers=None, overlap=args.spec_overlap or None)
         report["spec_overlap"] = spec_engine.overlap
+        report["prelaunch"] = drafter.pure_propose
         profile_s = time.perf_counter() - t0
         spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter, B)
         st = spec_engine.stats.speculative
@@ -312,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                "gpu_time_ratio_plain_over_spec": ratio(base["gpu_s_per_token"], spec["gpu_s_per_token"]),
                "mean_tokens_per_verification": st.mean_tokens_per_verification, "accepted_histogram": st.histogram,
                "length_histogram": st.length_histogram, "step_time_curve": spec_engine.step_time.to_dict(),
-               "plain_steps": st.plain_steps, "verification_forwards": st.forwards,
+               "plain_steps": st.plain_steps, "verification_forwards": st.forwards, "prelaunched": st.prelaunched,
                "cost_model": spec_engine.cost_model.summary(),
                "timeline": [[kind, b, rows, round(sec * 1e3, 3), n]  # kind, bucket, rows, ms, tokens per step
                             for kind, b, rows, sec, n in spec_engine.cost_model.timeline],

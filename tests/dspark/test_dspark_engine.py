@@ -10,6 +10,7 @@ from dsv41.checkpoint import save_checkpoint
 from dsv41.config import load_config, with_dspark
 from dsv41.engine.dspark_drafter import DSparkDrafter
 from dsv41.engine.engine import Engine
+from dsv41.engine.sampling import SamplingParams
 from dsv41.engine.speculative import SpeculativeError, StepTimeCurve, build_drafter
 from dsv41.model.dspark import DSpark
 from dsv41.model.transformer import Transformer
@@ -76,3 +77,64 @@ def _recording(observe, calls: list):
         calls.append((seq_id, tokens.tolist(), {i: f.clone() for i, f in features.items()}))
         return observe(seq_id, tokens, features)
     return wrapped
+
+
+def test_a_proposal_launched_early_is_the_proposal_the_step_would_make(monkeypatch):
+    """A verification that leaves every row going on launches the next step's proposal before its own
+    bookkeeping (`Engine._prelaunch`, greedy drafting only). Run twice with the same forced choices — a
+    plain step every third step, a row aborted and a request added between steps, rows finishing at
+    different lengths — once with early proposals and once without: every verification verifies the same
+    drafts, the outputs are plain greedy decoding's, and early proposals were used (but never across a plain
+    step, an abort or a finished row, where the one launched early is stale)."""
+    torch.manual_seed(0)
+    main = Transformer(load_config("tiny")).init_weights(seed=0).eval()
+    dspark = DSpark(with_dspark(load_config("tiny"))).init_weights(seed=1).bind(main)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (6, 23, 41, 12)]
+    max_tokens = [14, 30, 22, 18]
+    plain = [Engine(main).generate([p], max_tokens=m)[0] for p, m in zip(prompts, max_tokens)]
+    monkeypatch.setattr(Engine, "_worth_drafting", lambda self, seqs: self.stats.steps % 3 != 0)
+    runs = {}
+    for early in (False, True):
+        drafter = DSparkDrafter(dspark, max_sequences=6)
+        assert drafter.pure_propose
+        if not early:
+            drafter = _Impure(drafter)
+        engine = Engine(main, drafter=drafter, max_batch=4, max_seq_len=128, step_time=StepTimeCurve([(1, 1.0)]))
+        verified = []
+        fetch = engine._fetch_proposal
+
+        def recording(prop, drafts, logits, fetch=fetch, verified=verified):
+            out = fetch(prop, drafts, logits)
+            verified.append(out[0])
+            return out
+        engine._fetch_proposal = recording
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts[:3], max_tokens)]
+        steps = 0
+        while engine.has_work():
+            engine.step()
+            steps += 1
+            if steps == 4:
+                engine.abort(seqs[0])
+            if steps == 6:
+                seqs.append(engine.add_request(prompts[3], SamplingParams(max_tokens=max_tokens[3])))
+        runs[early] = ([s.output for s in seqs], verified, engine.stats.speculative)
+    (outputs, verified, stats), (outputs_early, verified_early, stats_early) = runs[False], runs[True]
+    assert outputs_early == outputs
+    assert outputs[1:] == plain[1:] and outputs[0] == plain[0][:len(outputs[0])] and len(outputs[0]) < max_tokens[0]
+    assert verified_early == verified and len(verified) >= 10
+    assert stats.prelaunched == 0 and stats_early.prelaunched >= 3
+    # stale ones exist in this run (a plain step, the abort, finished rows), so not every verification used one
+    assert stats_early.prelaunched < stats_early.forwards == stats.forwards
+
+
+class _Impure:
+    """A DSparkDrafter whose proposals the engine must not launch early (`pure_propose` False)."""
+
+    pure_propose = False
+
+    def __init__(self, drafter):
+        self._drafter = drafter
+
+    def __getattr__(self, name):
+        return getattr(self._drafter, name)

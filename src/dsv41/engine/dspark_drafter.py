@@ -206,6 +206,12 @@ class DSparkDrafter:
         return self.captures - before
 
     @property
+    def pure_propose(self) -> bool:
+        """Greedy drafting draws nothing at random: a proposal depends on the state and the anchors only, so the
+        engine may launch one early and drop it unused (`Engine._prelaunch`)."""
+        return self.temperature <= 0
+
+    @property
     def captures(self) -> int:
         """Graphs captured so far (propose and hand-over)."""
         return sum(g.captures for g in (self.graphs, self.observe_graphs) if g is not None)

@@ -25,6 +25,8 @@ caches (the static verification step of k + 1 positions, CUDA-graphed like the d
 host-driven forward near max_seq_len verifies per-row lengths chosen against the step-time curve
 profiled at start-up), the accepted prefix (+ one token) is emitted and everything else is rolled back;
 where the cost model says drafting does not pay at this batch size, the step decodes plainly instead.
+With a drafter whose proposals draw nothing at random (`pure_propose`), a verification that leaves every
+row going on launches the next step's proposal before its own bookkeeping (`_prelaunch`).
 A request that fails alone (a sampler error, say) finishes with `error` set; the others go on.
 """
 
@@ -51,6 +53,7 @@ from dsv41.engine.sequence import Sequence, SequenceStatus
 from dsv41.engine.speculative import (
     CostModel,
     Drafter,
+    Proposal,
     SpeculativeStats,
     StepTimeCurve,
     VerifyRollback,
@@ -104,6 +107,19 @@ class _InFlight:
     def __post_init__(self) -> None:
         if not self.rows:
             self.rows = list(range(len(self.seqs)))
+
+
+@dataclass
+class _Prelaunched:
+    """The next verification's proposal, launched at the end of the step before it (`Engine._prelaunch`), and
+    what it was made from: the rows, their anchors, their cached tokens and the tokens the drafter had seen.
+    The next step uses it only if all of these are unchanged; otherwise it proposes again."""
+
+    ids: list[int]
+    anchors: list[int]
+    n_tokens: list[int]
+    seen: list[int | None]
+    proposal: Proposal
 
 
 @dataclass
@@ -328,6 +344,7 @@ class Engine:
                                    batch_pieces=batch_prefill, idle_chunk=idle_prefill_chunk or None)
         self._ids = itertools.count()
         self._drafting: set[int] = set()  # ids of the sequences the drafter has started
+        self._next_proposal: _Prelaunched | None = None  # the next verification's proposal, launched early
 
     # ------------------------------------------------------------------ request API
     @property
@@ -913,13 +930,14 @@ class Engine:
         """One step's wall time and tokens into the cost model."""
         self.cost_model.record(kind, bucket(B, self.buckets), B, seconds, tokens)
 
-    def _propose(self, seqs: list[Sequence], *, wait: bool = True):
+    def _propose(self, seqs: list[Sequence], *, wait: bool = True, anchors: list[int] | None = None):
         """The drafter's proposal for the batch, its shapes checked (None when it fails), and with `wait` its
         token ids checked and its confidences on the host; without (the static step), both come after the
-        forward (`_fetch_proposal`), so nothing waits for the drafter here."""
+        forward (`_fetch_proposal`), so nothing waits for the drafter here. anchors: each row's pending token
+        (default: its `next_token`)."""
         k, B = self.drafter.k, len(seqs)
         try:
-            self._anchors.numpy()[:B] = [s.next_token for s in seqs]
+            self._anchors.numpy()[:B] = [s.next_token for s in seqs] if anchors is None else anchors
             prop = self.drafter.propose([s.id for s in seqs], self._anchors_device(B))
             if tuple(prop.tokens.shape) != (B, k) or tuple(prop.confidence.shape) != (B, k):
                 raise ValueError(f"proposal shapes {tuple(prop.tokens.shape)}, {tuple(prop.confidence.shape)}; "
@@ -936,6 +954,35 @@ class Engine:
             log.exception("the drafter failed; this step verifies no drafts")
             return None, None
         return prop, confidence
+
+    def _prelaunch(self, seqs: list[Sequence], plans: list[tuple[list[int], str | None]]) -> None:
+        """After a verification's hand-over: launch the next step's proposal now, before this step's
+        bookkeeping (emission, statistics) and the next step's scheduling, so the device drafts while the host
+        does those — when the next step is likely the same rows drafting again: every row goes on, no request
+        waits, and the drafter's proposals are a function of its state and the anchors (`pure_propose`: one
+        launched and not used changes nothing). The next `_speculate` takes it if nothing it was made from
+        has changed (`_prelaunched`)."""
+        self._next_proposal = None
+        if (not getattr(self.drafter, "pure_propose", False) or self.scheduler.waiting
+                or any(reason is not None for _, reason in plans)):
+            return
+        anchors = [tokens[-1] for tokens, _ in plans]  # each row's next pending token
+        prop, _ = self._propose(seqs, wait=False, anchors=anchors)
+        if prop is not None:
+            self._next_proposal = _Prelaunched([s.id for s in seqs], anchors, [s.cache.n_tokens for s in seqs],
+                                               [self._drafter_seen.get(s.id) for s in seqs], prop)
+
+    def _prelaunched(self, seqs: list[Sequence]) -> Proposal | None:
+        """The proposal `_prelaunch` made for exactly this step (same rows in the same order, same anchors, the
+        caches and the drafter's view of them unchanged since), or None; either way it is used up."""
+        early, self._next_proposal = self._next_proposal, None
+        if early is None or early.ids != [s.id for s in seqs]:
+            return None
+        if (early.anchors != [s.next_token for s in seqs] or early.n_tokens != [s.cache.n_tokens for s in seqs]
+                or early.seen != [self._drafter_seen.get(s.id) for s in seqs]):
+            return None
+        self.stats.speculative.prelaunched += 1
+        return early.proposal
 
     def _anchors_device(self, B: int) -> Tensor:
         """Each row's pending token on the device: one copy from the pinned host mirror."""
@@ -973,7 +1020,9 @@ class Engine:
         rollback = None
         if static:  # the static step computes k + 1 positions whatever the lengths are
             T = k + 1
-            prop, _ = self._propose(seqs, wait=False)
+            prop = self._prelaunched(seqs)
+            if prop is None:
+                prop, _ = self._propose(seqs, wait=False)
             if prop is None:
                 return self._plain_step(seqs)
             # the drafts go from the proposal into the step's token rows on the device: no host round trip
@@ -1024,6 +1073,8 @@ class Engine:
         # the drafter sees the committed block positions of the rows that go on
         keep = [len(tokens) if reason is None else 0 for tokens, reason in plans]
         self._observe(seqs, block, features, keep)
+        if static:
+            self._prelaunch(seqs, plans)
         outputs: list[StepOutput] = []
         for b, (seq, v, (tokens, reason)) in enumerate(zip(seqs, verdicts, plans)):
             stats.record(lengths[b], v.accepted, len(tokens))

@@ -69,7 +69,9 @@ class Drafter(Protocol):
     `observe` receives the committed tokens (n,) and, per wanted layer, the main model's hidden state at
     those positions (m, dim) — the mean over mHC streams of the block's output (or input, when the
     drafter has `features_at = "input"`). m = n after a verification; after a prefill m ≤ n covers the
-    last m tokens (encoder-only prefill runs the decoder over the last n_win prompt tokens only)."""
+    last m tokens (encoder-only prefill runs the decoder over the last n_win prompt tokens only).
+    Optional: `pure_propose` (True when `propose` draws nothing at random and changes no state: the engine then
+    launches a proposal before it knows it will use it), `observe_many`, `warm_up`, `features_at`."""
 
     k: int  # tokens proposed per step (dspark_block_size − 1)
 
@@ -537,6 +539,7 @@ class SpeculativeStats:
     emitted: int = 0  # tokens emitted by verifications (Σ a + 1, truncated at a finish)
     plain_steps: int = 0  # steps decoded plainly instead (the cost model, `Engine(speculate="auto")`, or no draft)
     plain_tokens: int = 0  # tokens those steps emitted
+    prelaunched: int = 0  # verifications whose proposal was launched at the end of the step before (`_prelaunch`)
     histogram: list[int] = field(default_factory=list)  # histogram[a] = verifications with a accepted
     length_histogram: list[int] = field(default_factory=list)  # histogram of the chosen verification lengths
 
