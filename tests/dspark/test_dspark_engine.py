@@ -79,28 +79,41 @@ def _recording(observe, calls: list):
     return wrapped
 
 
-def test_a_proposal_launched_early_is_the_proposal_the_step_would_make(monkeypatch):
-    """A verification that leaves every row going on launches the next step's proposal before its own
-    bookkeeping (`Engine._prelaunch`, greedy drafting only). Run twice with the same forced choices — a
-    plain step every third step, a row aborted and a request added between steps, rows finishing at
-    different lengths — once with early proposals and once without: every verification verifies the same
-    drafts, the outputs are plain greedy decoding's, and early proposals were used (but never across a plain
-    step, an abort or a finished row, where the one launched early is stale)."""
+def _tiny_pair():
     torch.manual_seed(0)
     main = Transformer(load_config("tiny")).init_weights(seed=0).eval()
-    dspark = DSpark(with_dspark(load_config("tiny"))).init_weights(seed=1).bind(main)
+    return main, DSpark(with_dspark(load_config("tiny"))).init_weights(seed=1).bind(main)
+
+
+def _draft_mostly(self, seqs):
+    """A cost model's choice both runs make alike whenever they ask: plain about one step in five, by the
+    rows' cached tokens (the engine asks at the end of a step when it chains, at the start of the next
+    otherwise; the caches are the same at both moments)."""
+    return 7 * sum(s.cache.n_tokens for s in seqs) % 5 != 0
+
+
+def test_verifications_launched_early_verify_what_the_step_would_have(monkeypatch):
+    """A verification that leaves every row going on launches the next step's proposal, and where that step
+    is certain to verify the same rows its verification too, before its own bookkeeping (`Engine._chain`,
+    greedy drafting only). Run twice with the same choices — plain steps now and then, a row aborted while a
+    launched verification holds it (undone before its slot is freed: `_cancel_chain`; the slot stays clean),
+    a request arriving between steps, rows
+    finishing at different lengths, a prompt prefilling in pieces beside decoding rows — once launching early
+    and once not: every verification verifies the same drafts (a launched verification never keeps a prefill
+    waiting), the outputs are plain greedy decoding's, and early launches were used (never across a plain
+    step, the abort or a finished row, where one launched early would be stale)."""
+    main, dspark = _tiny_pair()
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (6, 23, 41, 12)]
-    max_tokens = [14, 30, 22, 18]
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (6, 23, 41, 29)]
+    max_tokens = [24, 30, 22, 18]
     plain = [Engine(main).generate([p], max_tokens=m)[0] for p, m in zip(prompts, max_tokens)]
-    monkeypatch.setattr(Engine, "_worth_drafting", lambda self, seqs: self.stats.steps % 3 != 0)
-    runs = {}
-    for early in (False, True):
+    monkeypatch.setattr(Engine, "_worth_drafting", _draft_mostly)
+    runs, abort_at = {}, None
+    for early in (True, False):
         drafter = DSparkDrafter(dspark, max_sequences=6)
         assert drafter.pure_propose
-        if not early:
-            drafter = _Impure(drafter)
-        engine = Engine(main, drafter=drafter, max_batch=4, max_seq_len=128, step_time=StepTimeCurve([(1, 1.0)]))
+        engine = Engine(main, drafter=drafter if early else _Impure(drafter), max_batch=4, max_seq_len=128,
+                        step_time=StepTimeCurve([(1, 1.0)]))
         verified = []
         fetch = engine._fetch_proposal
 
@@ -110,22 +123,66 @@ def test_a_proposal_launched_early_is_the_proposal_the_step_would_make(monkeypat
             return out
         engine._fetch_proposal = recording
         seqs = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts[:3], max_tokens)]
-        steps = 0
+        steps, freed = 0, None
         while engine.has_work():
             engine.step()
             steps += 1
-            if steps == 4:
+            if freed is not None:  # the aborted row's slot, once the step after the abort ran: clean
+                pools = engine.pools
+                assert freed in pools._free_slots and bool((pools.ring_positions[:, freed] == -1).all())
+                assert all(not p.pending_kv[freed].any() and not p.pending_score[freed].any()
+                           for p in pools.sources.values() if p.pending_kv is not None)
+                freed = None
+            if abort_at is None and steps >= 3 and engine._chained is not None and seqs[0] in engine._chained.seqs:
+                abort_at = steps  # the early run picks the moment: a launched verification holds the row
+            if steps == abort_at:
+                freed = seqs[0].cache.slot
                 engine.abort(seqs[0])
-            if steps == 6:
+            if abort_at is not None and steps == abort_at + 2:
                 seqs.append(engine.add_request(prompts[3], SamplingParams(max_tokens=max_tokens[3])))
         runs[early] = ([s.output for s in seqs], verified, engine.stats.speculative)
-    (outputs, verified, stats), (outputs_early, verified_early, stats_early) = runs[False], runs[True]
+    (outputs_early, verified_early, stats_early), (outputs, verified, stats) = runs[True], runs[False]
     assert outputs_early == outputs
     assert outputs[1:] == plain[1:] and outputs[0] == plain[0][:len(outputs[0])] and len(outputs[0]) < max_tokens[0]
     assert verified_early == verified and len(verified) >= 10
-    assert stats.prelaunched == 0 and stats_early.prelaunched >= 3
-    # stale ones exist in this run (a plain step, the abort, finished rows), so not every verification used one
-    assert stats_early.prelaunched < stats_early.forwards == stats.forwards
+    assert stats.chained == stats.prelaunched == stats.chain_cancelled == 0
+    assert stats_early.chained >= 3 and stats_early.chain_cancelled == 1  # the abort's
+    assert stats_early.chained + stats_early.prelaunched < stats_early.forwards == stats.forwards
+
+
+def test_an_undone_launched_verification_leaves_the_caches_as_they_were():
+    """`_cancel_chain` (a launched verification's rows changed before it was used): every cache holds the bytes
+    it held before the launch — rings, entries, index keys, partial groups, token ids, pages — and the pools
+    the same free pages."""
+    from tests.engine.test_speculative import cache_bytes
+
+    main, dspark = _tiny_pair()
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (9, 30)]
+    engine = Engine(main, drafter=DSparkDrafter(dspark, max_sequences=4), max_batch=2, max_seq_len=128,
+                    step_time=StepTimeCurve([(1, 1.0)]), speculate="always")
+    before = {}
+    chain = engine._chain
+
+    def snapshot(seqs, plans):  # on the CPU the step's own rollback is done by now
+        before.clear()
+        before.update({s.id: cache_bytes(engine.pools, s.cache) for s in seqs})
+        before["free"] = engine.free_pages()
+        return chain(seqs, plans)
+    engine._chain = snapshot
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in prompts]
+    while engine._chained is None:
+        engine.step()
+    assert engine.free_pages() != before["free"] or any(
+        not torch.equal(cache_bytes(engine.pools, s.cache)["ring_positions"], before[s.id]["ring_positions"])
+        for s in seqs)  # the launched verification wrote the caches
+    engine._cancel_chain()
+    assert engine.free_pages() == before["free"]
+    for s in seqs:
+        after = cache_bytes(engine.pools, s.cache)
+        assert after.keys() == before[s.id].keys()
+        for name, value in after.items():
+            assert torch.equal(value, before[s.id][name]), (s.id, name)
 
 
 class _Impure:

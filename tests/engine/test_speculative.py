@@ -29,6 +29,8 @@ class ScriptedDrafter:
     padded with a fixed token past its end. Wrapped in NoisyDrafter it is a corrupted oracle that costs
     no model."""
 
+    pure_propose = True  # its proposals follow from what it observed: the engine may launch them early
+
     def __init__(self, k: int, continuations: dict[tuple[int, ...], list[int]]):
         self.k, self.continuations = k, continuations
         self.history: dict[int, list[int]] = {}

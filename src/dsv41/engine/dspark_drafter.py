@@ -208,7 +208,7 @@ class DSparkDrafter:
     @property
     def pure_propose(self) -> bool:
         """Greedy drafting draws nothing at random: a proposal depends on the state and the anchors only, so the
-        engine may launch one early and drop it unused (`Engine._prelaunch`)."""
+        engine may launch one early and drop it unused (`Engine._chain`)."""
         return self.temperature <= 0
 
     @property

@@ -26,7 +26,8 @@ host-driven forward near max_seq_len verifies per-row lengths chosen against the
 profiled at start-up), the accepted prefix (+ one token) is emitted and everything else is rolled back;
 where the cost model says drafting does not pay at this batch size, the step decodes plainly instead.
 With a drafter whose proposals draw nothing at random (`pure_propose`), a verification that leaves every
-row going on launches the next step's proposal before its own bookkeeping (`_prelaunch`).
+row going on launches the next step's proposal — and, when the next step is certain to verify the same rows,
+its verification too — before its own bookkeeping (`_chain`): the device works while the host does that.
 A request that fails alone (a sampler error, say) finishes with `error` set; the others go on.
 """
 
@@ -111,7 +112,7 @@ class _InFlight:
 
 @dataclass
 class _Prelaunched:
-    """The next verification's proposal, launched at the end of the step before it (`Engine._prelaunch`), and
+    """The next verification's proposal, launched at the end of the step before it (`Engine._chain`), and
     what it was made from: the rows, their anchors, their cached tokens and the tokens the drafter had seen.
     The next step uses it only if all of these are unchanged; otherwise it proposes again."""
 
@@ -120,6 +121,19 @@ class _Prelaunched:
     n_tokens: list[int]
     seen: list[int | None]
     proposal: Proposal
+
+
+@dataclass
+class _Chained:
+    """The next verification, launched at the end of the step before it (`Engine._chain`): its rows, their
+    first block positions, the proposal and its drafts on the device, and the step's logits. The next `step`
+    resolves it (`_chained_step`) or, when its rows changed, undoes it (`_cancel_chain`)."""
+
+    seqs: list[Sequence]
+    starts: list[int]
+    proposal: Proposal
+    drafts: Tensor
+    logits: Tensor
 
 
 @dataclass
@@ -345,6 +359,7 @@ class Engine:
         self._ids = itertools.count()
         self._drafting: set[int] = set()  # ids of the sequences the drafter has started
         self._next_proposal: _Prelaunched | None = None  # the next verification's proposal, launched early
+        self._chained: _Chained | None = None  # the next verification, launched at the end of the last step
 
     # ------------------------------------------------------------------ request API
     @property
@@ -444,6 +459,10 @@ class Engine:
         """One engine step: the scheduled decode batch, then the scheduled prefill pieces. With `overlap`, a
         decode-only step's tokens are emitted by the next call (which has launched the step after it first)."""
         resolved: list[StepOutput] = []
+        if self._chained is not None:
+            if self._chain_holds(self._chained):
+                return self._chained_step()
+            self._cancel_chain()
         if self._inflight is not None:
             if self._can_continue(self._inflight):
                 return self._overlapped_step()
@@ -759,6 +778,8 @@ class Engine:
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is (client gone): nothing is persisted, its cache is freed."""
         seq.finish_reason = seq.finish_reason or "cancelled"
+        if self._chained is not None and seq in self._chained.seqs:
+            self._cancel_chain()  # before its slot is cleared: the undo writes the slot's window rings
         self._retire(seq)
 
     def metrics(self) -> dict:
@@ -955,25 +976,68 @@ class Engine:
             return None, None
         return prop, confidence
 
-    def _prelaunch(self, seqs: list[Sequence], plans: list[tuple[list[int], str | None]]) -> None:
-        """After a verification's hand-over: launch the next step's proposal now, before this step's
-        bookkeeping (emission, statistics) and the next step's scheduling, so the device drafts while the host
-        does those — when the next step is likely the same rows drafting again: every row goes on, no request
-        waits, and the drafter's proposals are a function of its state and the anchors (`pure_propose`: one
-        launched and not used changes nothing). The next `_speculate` takes it if nothing it was made from
-        has changed (`_prelaunched`)."""
+    def _chain(self, seqs: list[Sequence], plans: list[tuple[list[int], str | None]]) -> None:
+        """After a verification's hand-over, before its bookkeeping (emission, statistics) and the next step's
+        scheduling: launch the next step's proposal — and its verification too where that step is certain to
+        be these rows verifying again — so the device drafts and verifies while the host does the rest.
+
+        The proposal (`_next_proposal`) when every row goes on, no request waits, and the drafter's proposals
+        are a function of its state and the anchors (`pure_propose`: one launched and not used changes
+        nothing); the next `_speculate` takes it if nothing it was made from has changed (`_prelaunched`).
+        The verification too (`_chained`) when, besides, these rows are all the engine runs (no prefill under
+        way), none asks for log-probabilities (the step's logits buffer is the next one's), each row's next
+        block fits the context and the pages it holds, and the cost model drafts at this batch size; the next
+        `step` resolves it without scheduling (`_chained_step`) or, if its rows changed meanwhile (an abort),
+        undoes it (`_cancel_chain`)."""
         self._next_proposal = None
         if (not getattr(self.drafter, "pure_propose", False) or self.scheduler.waiting
                 or any(reason is not None for _, reason in plans)):
             return
         anchors = [tokens[-1] for tokens, _ in plans]  # each row's next pending token
         prop, _ = self._propose(seqs, wait=False, anchors=anchors)
-        if prop is not None:
-            self._next_proposal = _Prelaunched([s.id for s in seqs], anchors, [s.cache.n_tokens for s in seqs],
-                                               [self._drafter_seen.get(s.id) for s in seqs], prop)
+        if prop is None:
+            return
+        k = self.drafter.k
+        running = self.scheduler.running
+        if (self.vio is not None and len(running) == len(seqs) and all(a is b for a, b in zip(running, seqs))
+                and all(s.params.logprobs is None and self.max_seq_len - s.cache.n_tokens - 1 >= k
+                        and not self.pages_to_grow(s, k + 1) for s in seqs)
+                and (self.speculate == "always" or self._worth_drafting(seqs))):
+            on_device = prop.tokens.long().clamp(0, self.config.vocab_size - 1)
+            caches = [s.cache for s in seqs]
+            starts = [cache.n_tokens for cache in caches]
+            logits = self._run_static(self.vio, self.vgraphs, caches, [[a] * (k + 1) for a in anchors],
+                                      drafts=on_device)
+            self._chained = _Chained(list(seqs), starts, prop, on_device, logits)
+            return
+        self._next_proposal = _Prelaunched([s.id for s in seqs], anchors, [s.cache.n_tokens for s in seqs],
+                                           [self._drafter_seen.get(s.id) for s in seqs], prop)
+
+    def _chain_holds(self, chained: _Chained) -> bool:
+        """Whether the launched verification's rows are still the engine's decode batch (nothing scheduled
+        since: a request that arrived meanwhile waits one step, no new verification is chained while it does)."""
+        return all(s.status is SequenceStatus.RUNNING and s.job is None and not s.finished and s.cache is not None
+                   and not s.cache.released for s in chained.seqs)
+
+    def _chained_step(self) -> list[StepOutput]:
+        """The step whose verification `_chain` launched: resolve it (and chain the next one)."""
+        chained, self._chained = self._chained, None
+        self.stats.steps += 1
+        self.stats.speculative.chained += 1
+        t0 = time.perf_counter()
+        outputs = self._speculate(chained.seqs, chained)
+        self._add_decode_time(chained.seqs, time.perf_counter() - t0)
+        return outputs
+
+    def _cancel_chain(self) -> None:
+        """Undo the launched verification before its rows change: every row keeps none of its block (the
+        rollback restores its window rings and partial groups; the entry rows it reserved are dropped)."""
+        chained, self._chained = self._chained, None
+        self.stats.speculative.chain_cancelled += 1
+        self._restore_static([s.cache for s in chained.seqs], chained.starts, [0] * len(chained.seqs))
 
     def _prelaunched(self, seqs: list[Sequence]) -> Proposal | None:
-        """The proposal `_prelaunch` made for exactly this step (same rows in the same order, same anchors, the
+        """The proposal `_chain` made for exactly this step (same rows in the same order, same anchors, the
         caches and the drafter's view of them unchanged since), or None; either way it is used up."""
         early, self._next_proposal = self._next_proposal, None
         if early is None or early.ids != [s.id for s in seqs]:
@@ -1003,36 +1067,41 @@ class Engine:
             log.warning("the drafter proposed token ids outside the vocabulary; those rows verify no drafts")
         return [row[:k] for row in rows], [not row[k] for row in rows], [row[k + 1:] for row in rows]
 
-    def _speculate(self, seqs: list[Sequence]) -> list[StepOutput]:
+    def _speculate(self, seqs: list[Sequence], chained: _Chained | None = None) -> list[StepOutput]:
         """One verification step: propose, choose lengths, verify in one forward, accept, roll back, emit (the
         static step chooses lengths after its forward: the drafts never wait on the host before it).
         The forward is the static verification step of k + 1 positions (a CUDA graph on GPUs) whenever
-        every row's block fits max_seq_len; otherwise the host-driven forward over max L + 1 positions."""
+        every row's block fits max_seq_len; otherwise the host-driven forward over max L + 1 positions.
+        chained: this step's static verification, launched already at the end of the step before (`_chain`)."""
         c, B, stats, k = self.config, len(seqs), self.stats.speculative, self.drafter.k
         caps, batch_cap = self._verify_caps(seqs)
-        static = self.vio is not None and batch_cap >= k
-        if static and self.speculate == "auto" and not self._worth_drafting(seqs):
-            return self._plain_step(seqs)  # the drafter sees these tokens when it drafts next
-        self._catch_up(seqs)  # a cost of the plain steps before, not of this one
+        static = chained is not None or (self.vio is not None and batch_cap >= k)
+        if chained is None:
+            if static and self.speculate == "auto" and not self._worth_drafting(seqs):
+                return self._plain_step(seqs)  # the drafter sees these tokens when it drafts next
+            self._catch_up(seqs)  # a cost of the plain steps before, not of this one
         t0 = time.perf_counter()
         caches = [s.cache for s in seqs]
         starts = [cache.n_tokens for cache in caches]
         rollback = None
         if static:  # the static step computes k + 1 positions whatever the lengths are
             T = k + 1
-            prop = self._prelaunched(seqs)
-            if prop is None:
-                prop, _ = self._propose(seqs, wait=False)
-            if prop is None:
-                return self._plain_step(seqs)
-            # the drafts go from the proposal into the step's token rows on the device: no host round trip
-            # before the forward; the host learns them after it, in the step's one wait. The k + 1 positions
-            # are computed by then, so every row verifies all it may (its cap; 0 where the drafter proposed
-            # ids outside the vocabulary): shortening it now would save nothing. Whether to draft at all is
-            # decided before the step (`speculate="auto"`, the cost model).
-            on_device = prop.tokens.long().clamp(0, c.vocab_size - 1)  # (B, k)
-            logits = self._run_static(self.vio, self.vgraphs, caches, [[s.next_token] * T for s in seqs],
-                                      drafts=on_device)  # (B, T, V) fp32
+            if chained is not None:
+                prop, on_device, logits = chained.proposal, chained.drafts, chained.logits
+            else:
+                prop = self._prelaunched(seqs)
+                if prop is None:
+                    prop, _ = self._propose(seqs, wait=False)
+                if prop is None:
+                    return self._plain_step(seqs)
+                # the drafts go from the proposal into the step's token rows on the device: no host round trip
+                # before the forward; the host learns them after it, in the step's one wait. The k + 1
+                # positions are computed by then, so every row verifies all it may (its cap; 0 where the
+                # drafter proposed ids outside the vocabulary): shortening it now would save nothing. Whether to
+                # draft at all is decided before the step (`speculate="auto"`, the cost model).
+                on_device = prop.tokens.long().clamp(0, c.vocab_size - 1)  # (B, k)
+                logits = self._run_static(self.vio, self.vgraphs, caches, [[s.next_token] * T for s in seqs],
+                                          drafts=on_device)  # (B, T, V) fp32
             drafts, valid, greedy_ids = self._fetch_proposal(prop, on_device, logits)
             lengths = [min(cap, batch_cap) if ok else 0 for cap, ok in zip(caps, valid)]
             block = [[s.next_token] + d for s, d in zip(seqs, drafts)]
@@ -1074,7 +1143,7 @@ class Engine:
         keep = [len(tokens) if reason is None else 0 for tokens, reason in plans]
         self._observe(seqs, block, features, keep)
         if static:
-            self._prelaunch(seqs, plans)
+            self._chain(seqs, plans)  # before the bookkeeping below: the device works while the host does it
         outputs: list[StepOutput] = []
         for b, (seq, v, (tokens, reason)) in enumerate(zip(seqs, verdicts, plans)):
             stats.record(lengths[b], v.accepted, len(tokens))

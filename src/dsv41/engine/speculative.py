@@ -539,7 +539,9 @@ class SpeculativeStats:
     emitted: int = 0  # tokens emitted by verifications (Σ a + 1, truncated at a finish)
     plain_steps: int = 0  # steps decoded plainly instead (the cost model, `Engine(speculate="auto")`, or no draft)
     plain_tokens: int = 0  # tokens those steps emitted
-    prelaunched: int = 0  # verifications whose proposal was launched at the end of the step before (`_prelaunch`)
+    prelaunched: int = 0  # verifications whose proposal (only) was launched at the end of the step before (`_chain`)
+    chained: int = 0  # verifications launched at the end of the step before (`Engine._chain`)
+    chain_cancelled: int = 0  # of those, undone before use (their rows changed: an abort)
     histogram: list[int] = field(default_factory=list)  # histogram[a] = verifications with a accepted
     length_histogram: list[int] = field(default_factory=list)  # histogram of the chosen verification lengths
 
