@@ -981,17 +981,18 @@ class Engine:
         scheduling: launch the next step's proposal — and its verification too where that step is certain to
         be these rows verifying again — so the device drafts and verifies while the host does the rest.
 
-        The proposal (`_next_proposal`) when every row goes on, no request waits, and the drafter's proposals
-        are a function of its state and the anchors (`pure_propose`: one launched and not used changes
-        nothing); the next `_speculate` takes it if nothing it was made from has changed (`_prelaunched`).
-        The verification too (`_chained`) when, besides, these rows are all the engine runs (no prefill under
-        way), none asks for log-probabilities (the step's logits buffer is the next one's), each row's next
-        block fits the context and the pages it holds, and the cost model drafts at this batch size; the next
+        The proposal (`_next_proposal`) when every row goes on, no request waits, the cost model drafts at this
+        batch size, and the drafter's proposals are a function of its state and the anchors (`pure_propose`:
+        one launched and not used changes nothing); the next `_speculate` takes it if nothing it was made from
+        has changed (`_prelaunched`). The verification too (`_chained`) when, besides, these rows are all the
+        engine runs (no prefill under way), none asks for log-probabilities (the step's logits buffer is the
+        next one's), and each row's next block fits the context and the pages it holds; the next
         `step` resolves it without scheduling (`_chained_step`) or, if its rows changed meanwhile (an abort),
         undoes it (`_cancel_chain`)."""
         self._next_proposal = None
         if (not getattr(self.drafter, "pure_propose", False) or self.scheduler.waiting
-                or any(reason is not None for _, reason in plans)):
+                or any(reason is not None for _, reason in plans)
+                or not (self.speculate == "always" or self._worth_drafting(seqs))):
             return
         anchors = [tokens[-1] for tokens, _ in plans]  # each row's next pending token
         prop, _ = self._propose(seqs, wait=False, anchors=anchors)
@@ -1001,8 +1002,7 @@ class Engine:
         running = self.scheduler.running
         if (self.vio is not None and len(running) == len(seqs) and all(a is b for a, b in zip(running, seqs))
                 and all(s.params.logprobs is None and self.max_seq_len - s.cache.n_tokens - 1 >= k
-                        and not self.pages_to_grow(s, k + 1) for s in seqs)
-                and (self.speculate == "always" or self._worth_drafting(seqs))):
+                        and not self.pages_to_grow(s, k + 1) for s in seqs)):
             on_device = prop.tokens.long().clamp(0, self.config.vocab_size - 1)
             caches = [s.cache for s in seqs]
             starts = [cache.n_tokens for cache in caches]
