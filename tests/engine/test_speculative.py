@@ -519,7 +519,7 @@ def test_cost_model_when_the_batch_drains():
     """`CostModel.worth_drafting(..., remaining=)`, by hand: with no request waiting, drafting goes on while the
     row that finishes last would finish sooner with it — most verifications left (remaining / tokens per
     verification) × the speculative step's time against most remaining tokens × the plain step's; a bucket it
-    shrinks into is estimated, not measured, and no probe interrupts it."""
+    shrinks into is estimated, not measured, and a probe interrupts it only while a row has twice the wait left."""
     model = CostModel(FLAT)
     for _ in range(3):
         model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)  # the first is not counted: 4 ms per row, 2 tokens
@@ -545,10 +545,12 @@ def test_cost_model_when_the_batch_drains():
     assert not model.worth_drafting(4, [2.0] * 3 + [1.2], [100] * 4)  # 83.3 × 8 = 667 ms against 500 ms
     assert model.worth_drafting(4, [2.0] * 3 + [1.2])  # not draining: bucket 4 is measured first
     assert model.steps.get(("spec", 4)) is None
-    # no probe while draining: 40 plain steps in a row at bucket 8, then the decision stays on the measurements
+    # a probe while draining only where the slowest row has twice the wait (32 plain steps) left: 40 plain steps
+    # in a row at bucket 8, then a short tail stays on the measurements and a long one probes
     for _ in range(40):
         model.record("plain", 8, 8, 8 * 0.0025, 8)
-    assert not model.worth_drafting(8, [1.5] * 8, [100] * 8)  # 66.7 × 4 = 267 ms against 250 ms
+    assert not model.worth_drafting(8, [1.5] * 8, [63] * 8)  # 42 × 4 = 168 ms against 158 ms; no probe
+    assert model.worth_drafting(8, [1.5] * 8, [20] * 7 + [64])  # a probe
     assert model.worth_drafting(8, [1.5] * 8)  # a batch that refills probes (its measurements: 375 < 400 per s)
     assert CostModel(FLAT).spec_estimate(4) is None  # nothing measured: nothing to scale
 

@@ -186,18 +186,22 @@ class CostModel:
         remaining tokens at the plain step's (the steps' sizes as now; as rows finish the steps only get
         cheaper). A row whose drafts keep failing then stops the batch drafting, where the mean would keep it
         drafting at about twice the plain step's cost per token for that row (issue 19's closed batch of 64).
-        A draining batch neither probes nor measures a bucket it shrinks into: there a speculative step's time is
-        a measured bucket's scaled by the step-time curve (`spec_estimate`) — the tail of a closed batch is too
-        short for measurements to pay (2026-12-07, H100: three measuring steps per new bucket at ~2× a plain
-        step's time, each emitting fewer tokens per row than it cost)."""
+        A draining batch does not measure a bucket it shrinks into: there a speculative step's time is a measured
+        bucket's scaled by the step-time curve (`spec_estimate`) — the tail of a closed batch is too short for
+        measurements to pay (2026-12-07, H100: three measuring steps per new bucket at ~2× a plain step's time,
+        each emitting fewer tokens per row than it cost). It probes only while its slowest row has at least
+        twice the probe's wait left: a lone stream that started with poorly drafted text (2026-12-07, H100,
+        batch 1: 1.8 tokens per verification over its first 7 steps) otherwise stayed plain to its end — 245
+        plain steps, 0.95× — as every request does whenever nothing else waits."""
         draining = rows is not None and remaining is not None
         t_spec = self.median("spec", bucket) if len(self.times.get(("spec", bucket), [])) >= self.warmup else None
         if draining and t_spec is None and self.tokens is not None:
             t_spec = self.spec_estimate(bucket)
         if t_spec is None or self.tokens is None:
             return True  # measure it
-        if not draining and self.plain_run.get(bucket, 0) >= self.probe_gap.get(bucket, self.probe_every):
-            return True  # probe
+        gap = self.probe_gap.get(bucket, self.probe_every)
+        if self.plain_run.get(bucket, 0) >= gap and (not draining or max(remaining) >= 2 * gap):
+            return True  # probe (draining: only while the slowest row has tokens left for a winning one to pay)
         t_plain = self.median("plain", bucket)
         if t_plain is None:
             t_plain = self.step_time(bucket) / bucket
