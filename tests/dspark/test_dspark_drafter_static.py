@@ -528,3 +528,37 @@ def test_warm_up_captures_every_graph_a_run_needs_and_leaves_started_sequences_a
         for d in (graphed, eager):
             d.observe_many(batch, tokens, feats, keep)
     assert graphed.captures == captured, "a call after warm_up captured a graph"
+
+
+def test_a_bf16_drafter_keeps_its_fp32_multiplied_weights_in_fp32_and_drafts_the_same(monkeypatch):
+    """`DSparkDrafter` stores the weights the drafter only multiplies in fp32 (`drafter_fp32_weights`: each
+    stage's router, sink and mHC coefficients, the Markov and confidence heads) in fp32 — the same values, one
+    cast fewer per use. A bf16 drafter then drafts bit-for-bit what it drafts with those weights left in bf16
+    (tokens and confidences equal), and every other weight stays bf16 (the router biases are fp32 anyway)."""
+    import copy
+
+    import dsv41.engine.dspark_drafter as dd
+
+    _, drafter = _models(seed=40)
+    drafter = drafter.to(torch.bfloat16)
+    main = drafter.main.to(torch.bfloat16)
+    as_is = copy.deepcopy(drafter).bind(main)
+    kept_names = {id(w) for w in dd.drafter_fp32_weights(drafter)}
+    assert len(kept_names) == 8 * drafter.config.n_mtp_layers + 3  # router, sink, 6 mHC tensors per stage; heads
+    static = DSparkDrafter(drafter, max_sequences=4)
+    assert all(w.dtype == torch.float32 for w in dd.drafter_fp32_weights(drafter))
+    others = [(n, p.dtype) for n, p in drafter.mtp.named_parameters() if id(p) not in kept_names]
+    assert all(dtype == torch.bfloat16 or n.endswith("gate.bias") for n, dtype in others)  # router biases: fp32
+    monkeypatch.setattr(dd, "_keep_fp32_weights_in_fp32", lambda d: None)
+    reference = DSparkDrafter(as_is, max_sequences=4)
+    assert all(w.dtype == torch.bfloat16 for w in dd.drafter_fp32_weights(as_is))
+    g = torch.Generator().manual_seed(41)
+    for s, n in zip((1, 2, 3), (5, WINDOW + 3, 2 * WINDOW)):
+        tokens = torch.randint(17, 16384, (n,), generator=g)
+        feats = {i: f.bfloat16() for i, f in _features(drafter, (min(n, WINDOW + 2),), g).items()}
+        for d in (static, reference):
+            d.start(s)
+            d.observe(s, tokens, feats)
+    last = torch.randint(17, 16384, (3,), generator=g)
+    got, want = static.propose([1, 2, 3], last), reference.propose([1, 2, 3], last)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.confidence, want.confidence)

@@ -163,14 +163,18 @@ def fp32_weights(model: Transformer) -> list[torch.nn.Parameter]:
     what the release stores in fp32 (`checkpoint.release_format`: mHC's hc_*_fn / base / scale — the mHC
     kernel splits hc_fn into three bf16 planes to keep its fp32 precision — and the attention sinks; the
     router biases keep fp32 on their own, `Gate._apply`)."""
-    weights = [model.head.weight] + [moe.gate.weight for moe in model.moe_layers()]
-    for layer in model.layers:
-        comp = getattr(layer.attn, "compressor", None)
-        if comp is not None and comp.ratio > 1:
-            weights += [comp.wkv.weight, comp.wgate.weight]
-        weights.append(layer.attn.attn_sink)
-        weights += [getattr(layer, f"hc_{which}_{part}") for which in ("attn", "ffn")
-                    for part in ("fn", "base", "scale")]
+    return [model.head.weight] + [w for layer in model.layers for w in block_fp32_weights(layer)]
+
+
+def block_fp32_weights(block) -> list[torch.nn.Parameter]:
+    """`fp32_weights` of one Block (a DSpark stage too): its router, its ratio > 1 compressor, its attention
+    sink and its mHC coefficients."""
+    weights = [block.ffn.gate.weight]
+    comp = getattr(block.attn, "compressor", None)
+    if comp is not None and comp.ratio > 1:
+        weights += [comp.wkv.weight, comp.wgate.weight]
+    weights.append(block.attn.attn_sink)
+    weights += [getattr(block, f"hc_{which}_{part}") for which in ("attn", "ffn") for part in ("fn", "base", "scale")]
     return weights
 
 
