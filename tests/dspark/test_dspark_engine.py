@@ -151,9 +151,10 @@ def test_verifications_launched_early_verify_what_the_step_would_have(monkeypatc
 
 
 def test_an_undone_launched_verification_leaves_the_caches_as_they_were():
-    """`_cancel_chain` (a launched verification's rows changed before it was used): every cache holds the bytes
-    it held before the launch — rings, entries, index keys, partial groups, token ids, pages — and the pools
-    the same free pages."""
+    """A launched verification whose rows left the schedule before it was used (a caller paused them) is undone
+    by the next step (`_cancel_chain`): every cache holds the bytes it held before the launch — rings, entries,
+    index keys, partial groups, token ids, pages — and the pools the same free pages; resumed, the rows go on
+    to plain greedy decoding's tokens."""
     from tests.engine.test_speculative import cache_bytes
 
     main, dspark = _tiny_pair()
@@ -176,13 +177,20 @@ def test_an_undone_launched_verification_leaves_the_caches_as_they_were():
     assert engine.free_pages() != before["free"] or any(
         not torch.equal(cache_bytes(engine.pools, s.cache)["ring_positions"], before[s.id]["ring_positions"])
         for s in seqs)  # the launched verification wrote the caches
-    engine._cancel_chain()
+    paused = list(engine.scheduler.running)  # a caller takes the rows out of the schedule (`Rollout.interrupt`)
+    engine.scheduler.running.clear()
+    engine.step()  # the launched verification's rows are not scheduled: it is undone, nothing else runs
+    assert engine._chained is None and engine.stats.speculative.chain_cancelled == 1
     assert engine.free_pages() == before["free"]
     for s in seqs:
         after = cache_bytes(engine.pools, s.cache)
         assert after.keys() == before[s.id].keys()
         for name, value in after.items():
             assert torch.equal(value, before[s.id][name]), (s.id, name)
+    engine.scheduler.running[:0] = paused  # resumed: they go on to plain greedy decoding's tokens
+    while engine.has_work():
+        engine.step()
+    assert [s.output for s in seqs] == [Engine(main).generate([p], max_tokens=40)[0] for p in prompts]
 
 
 class _Impure:

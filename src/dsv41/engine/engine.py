@@ -1019,9 +1019,11 @@ class Engine:
 
     def _chain_holds(self, chained: _Chained) -> bool:
         """Whether the launched verification's rows are still the engine's decode batch (nothing scheduled
-        since: a request that arrived meanwhile waits one step, no new verification is chained while it does)."""
-        return all(s.status is SequenceStatus.RUNNING and s.job is None and not s.finished and s.cache is not None
-                   and not s.cache.released for s in chained.seqs)
+        since: a request that arrived meanwhile waits one step, no new verification is chained while it does);
+        rows taken out of the schedule meanwhile (a caller pausing them) undo it instead."""
+        running = {id(s) for s in self.scheduler.running}
+        return all(id(s) in running and s.status is SequenceStatus.RUNNING and s.job is None and not s.finished
+                   and s.cache is not None and not s.cache.released for s in chained.seqs)
 
     def _chained_step(self) -> list[StepOutput]:
         """The step whose verification `_chain` launched: resolve it (and chain the next one)."""
