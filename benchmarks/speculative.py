@@ -118,8 +118,15 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
     start(prompts[:slots], max_tokens=8)  # warm-up: kernels compiled, the batch's decode graphs captured
     while engine.has_work():
         engine.step()
+    counted = ("static_prefill_runs", "prefill_pieces", "prefill_forwards", "decode_steps")
+    before = {name: getattr(engine.stats, name) for name in counted}
+    inner = getattr(engine.drafter, "drafter", engine.drafter)  # under TimedDrafter: the DSpark drafter's graphs
+    captures = lambda: sum(getattr(g, "captures", 0) for g in (engine.static, engine.graphs, engine.vgraphs, inner)  # noqa: E731
+                           if g is not None)
+    captures0 = captures()
     t_submit = time.perf_counter()
     seqs = start(prompts)
+    prefilled_s = time.perf_counter() - t_submit  # every prompt of the first `slots` in (the whole closed batch)
     if drafter is not None:  # steps that ran prefill pieces too would make the cost model's steps look slow
         engine.reset_cost_model()
     drafter_s0 = drafter.seconds if drafter is not None else 0.0
@@ -153,6 +160,10 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
             "steady_tokens": steady[0] if steady else None, "steady_s": steady[1] if steady else None,
             "steady_tokens_per_s": steady[0] / steady[1] if steady and steady[1] else None,
             "peak_decoding_rows": peak,
+            "prefilled_s": prefilled_s,  # submit → the first `slots` prompts all prefilled (decode steps beside)
+            # over the whole closed batch: runs, pieces, forwards and decode steps, graphs captured meanwhile
+            "counts": {name: getattr(engine.stats, name) - before[name] for name in counted}
+                      | {"graph_captures": captures() - captures0},
             "drafter_s": drafter_s,
             "tokens_per_s_excluding_drafter": tokens / (elapsed - drafter_s) if elapsed > drafter_s else None,
             "gpu_s_per_token": gpu_s / gpu_tokens if gpu_s is not None and gpu_tokens else None}
