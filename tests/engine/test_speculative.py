@@ -586,3 +586,29 @@ def test_logprobs_under_speculation_equal_plain_decodes():
             assert lp is not None and len(ids) == 3, (i, tok)
             assert abs(lp - lp_p) < 1e-4 and ids == ids_p, (i, tok, lp, lp_p)
             assert max(abs(x - y) for x, y in zip(lps, lps_p)) < 1e-4
+
+
+def test_a_drafter_engine_admits_prompts_beside_decoding_rows_as_a_plain_engine_does():
+    """Each decoding row of a drafter's engine claims k + 1 tokens of the step budget (its verification), so the
+    default budget grows by max_batch × k, not max_batch: otherwise, once budget / (k + 1) rows decode, no prompt is
+    admitted or prefilled until one finishes (2026-12-07, H100: a closed batch of 64 never had more than 32 rows
+    decoding). Eight requests, four of them arriving while the first four decode: every one is decoding after as
+    many steps as in the plain engine."""
+    model = engine_test_model(88)
+    g = torch.Generator().manual_seed(88)
+    prompts = [torch.randint(3, 1000, (20,), generator=g).tolist() for _ in range(8)]
+    steps_until_all_decode = {}
+    for drafter in (None, NoisyDrafter(model.config.vocab_size, 4, noise=1.0)):
+        engine = Engine(model, max_batch=8, max_seq_len=256, prefill_chunk=32, prefill_layers=None, drafter=drafter,
+                        step_time=FLAT if drafter is not None else None, speculate="always" if drafter else "auto")
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=200)) for p in prompts[:4]]
+        while not all(s.output for s in seqs):
+            engine.step()
+        seqs += [engine.add_request(p, SamplingParams(max_tokens=200)) for p in prompts[4:]]
+        steps = 0
+        while not all(s.output for s in seqs):
+            engine.step()
+            steps += 1
+            assert steps < 100, [len(s.output) for s in seqs]
+        steps_until_all_decode[drafter is not None] = steps
+    assert steps_until_all_decode[True] <= steps_until_all_decode[False], steps_until_all_decode

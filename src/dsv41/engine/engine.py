@@ -253,7 +253,8 @@ class Engine:
         pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
         max_seq_len); prefill_chunk = prompt tokens per prefill run while sequences decode (default: 128 where
         static prefill runs from CUDA graphs without a drafter — STATIC_PREFILL_CHUNK —, else 2048); token_budget =
-        tokens per step (default prefill_chunk + max_batch); prefill_layers = layer passes of prefill per step while
+        tokens per step (default prefill_chunk + max_batch × a decoding row's tokens: 1, k + 1 with a drafter);
+        prefill_layers = layer passes of prefill per step while
         sequences decode (None: whole runs; "auto", the default: whole runs where static prefill runs from CUDA
         graphs without a drafter, else 4), which bounds the eager work a step adds to the streams' token gaps;
         cuda_graphs: replay decode steps from CUDA graphs (default: on CUDA devices); page_rows =
@@ -357,8 +358,11 @@ class Engine:
             top = max(prefill_chunk, idle_prefill_chunk)
             self.static = StaticPrefill(self.runner, self.pools, chunk=top, graphs=use_graphs,
                                         min_entries=graph_min_entries)
-        self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=token_budget or prefill_chunk + max_batch,
-                                   decode_tokens=decode_tokens, prefill_layers=prefill_layers,
+        # the default budget: a prefill chunk beside a full batch of decoding rows, each claiming its decode tokens
+        # (k + 1 with a drafter: with max_batch only, no prompt got in once budget / (k + 1) rows decoded)
+        budget = token_budget or prefill_chunk + max_batch * decode_tokens
+        self.scheduler = Scheduler(self, max_batch=max_batch, token_budget=budget, decode_tokens=decode_tokens,
+                                   prefill_layers=prefill_layers,
                                    batch_pieces=batch_prefill, idle_chunk=idle_prefill_chunk or None)
         self._ids = itertools.count()
         self._drafting: set[int] = set()  # ids of the sequences the drafter has started
