@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-overlap", action="store_true",
                     help="the speculative engine overlaps the plain steps its cost model chooses (overlap=True)")
     ap.add_argument("--no-prelaunch", action="store_true",
-                    help="the speculative engine proposes at the start of each step, never at the end of the one "
-                         "before (the comparison for Engine._prelaunch)")
+                    help="the speculative engine proposes and verifies at the start of each step, never at the end "
+                         "of the one before (the comparison for chained verifications, Engine._chain)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
     args = ap.parse_args(argv)
@@ -335,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                "mean_tokens_per_verification": st.mean_tokens_per_verification, "accepted_histogram": st.histogram,
                "length_histogram": st.length_histogram, "step_time_curve": spec_engine.step_time.to_dict(),
                "plain_steps": st.plain_steps, "verification_forwards": st.forwards, "prelaunched": st.prelaunched,
+               "chained": st.chained, "chain_cancelled": st.chain_cancelled,
                "cost_model": spec_engine.cost_model.summary(),
                "timeline": [[kind, b, rows, round(sec * 1e3, 3), n]  # kind, bucket, rows, ms, tokens per step
                             for kind, b, rows, sec, n in spec_engine.cost_model.timeline],

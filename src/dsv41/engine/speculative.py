@@ -545,7 +545,7 @@ class SpeculativeStats:
     plain_tokens: int = 0  # tokens those steps emitted
     prelaunched: int = 0  # verifications whose proposal (only) was launched at the end of the step before (`_chain`)
     chained: int = 0  # verifications launched at the end of the step before (`Engine._chain`)
-    chain_cancelled: int = 0  # of those, undone before use (their rows changed: an abort)
+    chain_cancelled: int = 0  # of those, undone before use (a row aborted or taken out of the schedule)
     histogram: list[int] = field(default_factory=list)  # histogram[a] = verifications with a accepted
     length_histogram: list[int] = field(default_factory=list)  # histogram of the chosen verification lengths
 
