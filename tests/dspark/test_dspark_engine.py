@@ -96,12 +96,12 @@ def test_verifications_launched_early_verify_what_the_step_would_have(monkeypatc
     """A verification that leaves every row going on launches the next step's proposal, and where that step
     is certain to verify the same rows its verification too, before its own bookkeeping (`Engine._chain`,
     greedy drafting only). Run twice with the same choices — plain steps now and then, a row aborted while a
-    launched verification holds it (undone before its slot is freed: `_cancel_chain`; the slot stays clean),
-    a request arriving between steps, rows
-    finishing at different lengths, a prompt prefilling in pieces beside decoding rows — once launching early
-    and once not: every verification verifies the same drafts (a launched verification never keeps a prefill
-    waiting), the outputs are plain greedy decoding's, and early launches were used (never across a plain
-    step, the abort or a finished row, where one launched early would be stale)."""
+    launched verification holds it (undone before its slot is freed: `_cancel_chain`; the slot stays clean), a
+    request arriving between steps, rows finishing at different lengths, a prompt prefilling in pieces beside
+    decoding rows — once launching early and once not: every verification verifies the same drafts (a launched
+    verification never keeps a prefill waiting), the outputs are plain greedy decoding's, and early launches
+    were used (never across a plain step, the abort or a finished row, where one launched early would be
+    stale)."""
     main, dspark = _tiny_pair()
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (6, 23, 41, 29)]
