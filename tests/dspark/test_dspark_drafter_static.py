@@ -549,7 +549,7 @@ def test_a_bf16_drafter_keeps_its_fp32_multiplied_weights_in_fp32_and_drafts_the
     assert all(w.dtype == torch.float32 for w in dd.drafter_fp32_weights(drafter))
     others = [(n, p.dtype) for n, p in drafter.mtp.named_parameters() if id(p) not in kept_names]
     assert all(dtype == torch.bfloat16 or n.endswith("gate.bias") for n, dtype in others)  # router biases: fp32
-    monkeypatch.setattr(dd, "_keep_fp32_weights_in_fp32", lambda d: None)
+    monkeypatch.setattr(dd, "keep_in_fp32", lambda weights: None)
     reference = DSparkDrafter(as_is, max_sequences=4)
     assert all(w.dtype == torch.bfloat16 for w in dd.drafter_fp32_weights(as_is))
     g = torch.Generator().manual_seed(41)

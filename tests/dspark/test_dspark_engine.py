@@ -150,6 +150,49 @@ def test_verifications_launched_early_verify_what_the_step_would_have(monkeypatc
     assert stats_early.chained + stats_early.prelaunched < stats_early.forwards == stats.forwards
 
 
+def test_a_proposal_launched_early_is_not_used_after_a_plain_step(monkeypatch):
+    """Rows asking for log-probabilities get only their next proposal launched early (not the verification:
+    the logits buffer is shared). When the cost model, asked again at the next step, decodes plainly, that
+    proposal is stale by the step after — its rows moved — and is dropped: with the end-of-step question always
+    answered "draft", and the start-of-step one as in a run without early launches, both runs verify the same
+    drafts, and some early proposals were used, some dropped."""
+    main, dspark = _tiny_pair()
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (7, 26)]
+    chain = Engine._chain
+
+    def chain_asking(self, seqs, plans):
+        self.asked_at_end = True
+        try:
+            return chain(self, seqs, plans)
+        finally:
+            self.asked_at_end = False
+    monkeypatch.setattr(Engine, "_chain", chain_asking)
+    monkeypatch.setattr(Engine, "_worth_drafting",
+                        lambda self, seqs: getattr(self, "asked_at_end", False) or _draft_mostly(self, seqs))
+    runs = {}
+    for early in (True, False):
+        drafter = DSparkDrafter(dspark, max_sequences=4)
+        engine = Engine(main, drafter=drafter if early else _Impure(drafter), max_batch=2, max_seq_len=128,
+                        step_time=StepTimeCurve([(1, 1.0)]))
+        verified = []
+        fetch = engine._fetch_proposal
+
+        def recording(prop, drafts, logits, fetch=fetch, verified=verified):
+            out = fetch(prop, drafts, logits)
+            verified.append(out[0])
+            return out
+        engine._fetch_proposal = recording
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=30, logprobs=1)) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        runs[early] = ([s.output for s in seqs], verified, engine.stats.speculative)
+    (outputs_early, verified_early, stats_early), (outputs, verified, stats) = runs[True], runs[False]
+    assert outputs_early == outputs
+    assert verified_early == verified and stats.plain_steps == stats_early.plain_steps >= 2
+    assert stats_early.chained == 0 and 0 < stats_early.prelaunched < stats_early.forwards == stats.forwards
+
+
 def test_an_undone_launched_verification_leaves_the_caches_as_they_were():
     """A launched verification whose rows left the schedule before it was used (a caller paused them) is undone
     by the next step (`_cancel_chain`): every cache holds the bytes it held before the launch — rings, entries,

@@ -112,14 +112,13 @@ class _InFlight:
 
 @dataclass
 class _Prelaunched:
-    """The next verification's proposal, launched at the end of the step before it (`Engine._chain`), and
-    what it was made from: the rows, their anchors, their cached tokens and the tokens the drafter had seen.
-    The next step uses it only if all of these are unchanged; otherwise it proposes again."""
+    """The next verification's proposal, launched at the end of the step before it (`Engine._chain`), and what it
+    was made from: the rows and their cached tokens. The next step uses it only if both are unchanged (anything
+    that moves a row — a plain step, and with it the drafter's catch-up — changes its count; the anchors are the
+    last emitted tokens either way); otherwise it proposes again."""
 
     ids: list[int]
-    anchors: list[int]
     n_tokens: list[int]
-    seen: list[int | None]
     proposal: Proposal
 
 
@@ -233,10 +232,10 @@ def layout_for_graphs(model: Transformer, decode_rows: int) -> None:
             moe.fuse_dense()
 
 
-def _keep_fp32_weights_in_fp32(model: Transformer) -> None:
-    """`fp32_weights` are stored in fp32 — the same values, one cast per call fewer (a decode step launches
-    ~40 kernels less)."""
-    for w in fp32_weights(model):
+def keep_in_fp32(weights: list[torch.nn.Parameter]) -> None:
+    """Weights a model only multiplies in fp32 (`fp32_weights`, `dspark_drafter.drafter_fp32_weights`) stored in
+    fp32, in place — the same values, one cast per use fewer (a decode step launches ~40 kernels less)."""
+    for w in weights:
         if w.dtype != torch.float32:
             w.data = w.data.float()
 
@@ -321,7 +320,7 @@ class Engine:
         self.io = DecodeIO(c, self.pools, max_batch, capture_layers=wanted,
                            capture_at=getattr(drafter, "features_at", "output"), feature_ring=self.feature_ring)
         self.graphs = DecodeGraphs(self.runner, self.io, min_entries=graph_min_entries) if use_graphs else None
-        _keep_fp32_weights_in_fp32(model)
+        keep_in_fp32(fp32_weights(model))
         if use_graphs:  # decode-sized forwards and small prefill pieces: every expert on every token (fewer kernels)
             layout_for_graphs(model, max_batch * (drafter.k + 1 if drafter else 1))
         # before the start-up profile below: its static steps are timed by phase too
@@ -1018,8 +1017,7 @@ class Engine:
                                       drafts=on_device)
             self._chained = _Chained(list(seqs), starts, prop, on_device, logits)
             return
-        self._next_proposal = _Prelaunched([s.id for s in seqs], anchors, [s.cache.n_tokens for s in seqs],
-                                           [self._drafter_seen.get(s.id) for s in seqs], prop)
+        self._next_proposal = _Prelaunched([s.id for s in seqs], [s.cache.n_tokens for s in seqs], prop)
 
     def _chain_holds(self, chained: _Chained) -> bool:
         """Whether the launched verification's rows are still the engine's decode batch (nothing scheduled
@@ -1047,13 +1045,10 @@ class Engine:
         self._restore_static([s.cache for s in chained.seqs], chained.starts, [0] * len(chained.seqs))
 
     def _prelaunched(self, seqs: list[Sequence]) -> Proposal | None:
-        """The proposal `_chain` made for exactly this step (same rows in the same order, same anchors, the
-        caches and the drafter's view of them unchanged since), or None; either way it is used up."""
+        """The proposal `_chain` made for exactly this step (same rows in the same order, their caches unchanged
+        since), or None; either way it is used up."""
         early, self._next_proposal = self._next_proposal, None
-        if early is None or early.ids != [s.id for s in seqs]:
-            return None
-        if (early.anchors != [s.next_token for s in seqs] or early.n_tokens != [s.cache.n_tokens for s in seqs]
-                or early.seen != [self._drafter_seen.get(s.id) for s in seqs]):
+        if early is None or early.ids != [s.id for s in seqs] or early.n_tokens != [s.cache.n_tokens for s in seqs]:
             return None
         self.stats.speculative.prelaunched += 1
         return early.proposal
