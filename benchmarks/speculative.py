@@ -132,11 +132,11 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
     drafter_s0 = drafter.seconds if drafter is not None else 0.0
     tokens0, t0 = sum(len(s.output) for s in seqs), time.perf_counter()
     steady = None  # (tokens, seconds) while every slot was busy
-    peak = 0  # the most rows that decoded in one step (a closed batch whose first rows finish before its last
-    # prompts are in never has every slot decoding: its "steady" window is then a step or two)
+    peak = 0  # the most rows running after a step (a closed batch whose first rows finish before its last prompts
+    # are admitted never has every slot busy: its "steady" window is then a step or two)
     while engine.has_work():
         engine.step()
-        peak = max(peak, sum(1 for s in seqs if not s.finished and not s.prefilling and s.next_token is not None))
+        peak = max(peak, len(engine.running))
         if steady is None and sum(not s.finished for s in seqs) < slots:
             sync()
             steady = (sum(len(s.output) for s in seqs) - tokens0, time.perf_counter() - t0)
@@ -159,7 +159,7 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
             "closed_tokens_per_s": everything / (t_end - t_submit),
             "steady_tokens": steady[0] if steady else None, "steady_s": steady[1] if steady else None,
             "steady_tokens_per_s": steady[0] / steady[1] if steady and steady[1] else None,
-            "peak_decoding_rows": peak,
+            "peak_running_rows": peak,
             "prefilled_s": prefilled_s,  # submit → the first `slots` prompts all prefilled (decode steps beside)
             # over the whole closed batch: runs, pieces, forwards and decode steps, graphs captured meanwhile
             "counts": {name: getattr(engine.stats, name) - before[name] for name in counted}
