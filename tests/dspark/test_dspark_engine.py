@@ -114,14 +114,7 @@ def test_verifications_launched_early_verify_what_the_step_would_have(monkeypatc
         assert drafter.pure_propose
         engine = Engine(main, drafter=drafter if early else _Impure(drafter), max_batch=4, max_seq_len=128,
                         step_time=StepTimeCurve([(1, 1.0)]))
-        verified = []
-        fetch = engine._fetch_proposal
-
-        def recording(prop, drafts, logits, fetch=fetch, verified=verified):
-            out = fetch(prop, drafts, logits)
-            verified.append(out[0])
-            return out
-        engine._fetch_proposal = recording
+        verified = _record_verified(engine)
         seqs = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in zip(prompts[:3], max_tokens)]
         steps, freed = 0, None
         while engine.has_work():
@@ -175,14 +168,7 @@ def test_a_proposal_launched_early_is_not_used_after_a_plain_step(monkeypatch):
         drafter = DSparkDrafter(dspark, max_sequences=4)
         engine = Engine(main, drafter=drafter if early else _Impure(drafter), max_batch=2, max_seq_len=128,
                         step_time=StepTimeCurve([(1, 1.0)]))
-        verified = []
-        fetch = engine._fetch_proposal
-
-        def recording(prop, drafts, logits, fetch=fetch, verified=verified):
-            out = fetch(prop, drafts, logits)
-            verified.append(out[0])
-            return out
-        engine._fetch_proposal = recording
+        verified = _record_verified(engine)
         seqs = [engine.add_request(p, SamplingParams(max_tokens=30, logprobs=1)) for p in prompts]
         while engine.has_work():
             engine.step()
@@ -234,6 +220,18 @@ def test_an_undone_launched_verification_leaves_the_caches_as_they_were():
     while engine.has_work():
         engine.step()
     assert [s.output for s in seqs] == [Engine(main).generate([p], max_tokens=40)[0] for p in prompts]
+
+
+def _record_verified(engine: Engine) -> list:
+    """The drafts of every static verification `engine` runs from now on, appended to the returned list."""
+    verified, fetch = [], engine._fetch_proposal
+
+    def recording(prop, drafts, logits):
+        out = fetch(prop, drafts, logits)
+        verified.append(out[0])
+        return out
+    engine._fetch_proposal = recording
+    return verified
 
 
 class _Impure:
