@@ -22,6 +22,7 @@ SERVING = {  # module → the kernels the engine's prefill and decode launch
     "cache_write": ["_rope_quantize_kernel", "_ring_write_kernel"],
     "engram": ["_engram_hash_kernel", "_engram_gate_kernel"],
     "indexer": ["_scores_kernel", "_blocks_kernel", "_keys_kernel", "_pick_kernel"],
+    "markov": ["_markov_step_kernel", "_markov_last_kernel"],
     "mhc": ["_mhc_pass_kernel", "_mhc_fused_kernel", "_mhc_finish_kernel", "_mhc_split_kernel"],
     "norm": ["_rms_norm_kernel"],
     "router": ["_route_kernel"],

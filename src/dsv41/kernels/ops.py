@@ -125,6 +125,8 @@ def _ref_module(family: str):
         from dsv41.kernels.ref import router as module
     elif family == "engram":
         from dsv41.kernels.ref import engram as module
+    elif family == "markov":
+        from dsv41.kernels.ref import markov as module
     else:
         raise ValueError(f"no kernel family {family!r}")
     return module
@@ -461,6 +463,26 @@ def engram_gate(x: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: 
     fn = _impl("engram", "engram_gate", x, kv, q_weight, k_weight, token_mask,
                supported=floats.issuperset((kv.dtype, q_weight.dtype, k_weight.dtype)))
     return fn(x, kv, q_weight, k_weight, eps, token_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# DSpark drafting: the greedy semi-autoregressive Markov loop, inference only
+
+
+def markov_greedy(base: Tensor, hidden: Tensor, anchors: Tensor, embed: Tensor, head: Tensor, conf_weight: Tensor
+                  ) -> tuple[Tensor, Tensor]:
+    """`model.dspark.DSpark.sample` at temperature 0 after the base logits: base (B, K, V) fp32, hidden
+    (B, K, dim), anchors (B,) ids, the Markov head's embed and head (V, r), the confidence head's weight
+    ((1,) dim + r). Per position i from prev = anchors: e = embed[prev], conf[:, i] = w · [hidden[:, i], e],
+    tokens[:, i] = argmax(base[:, i] + head · e) (torch.argmax: lowest index on ties, NaN largest) = the next
+    prev; fp32 products. → (tokens (B, K) int64, conf (B, K) fp32). The Triton kernels agree with the twin to
+    fp32 rounding (tokens equal unless a row's top two logits are that close); K + 1 launches on CUDA, no
+    host sync (capturable), instead of ~10 per position."""
+    floats = _MHC_FLOATS | {torch.float16}
+    fn = _impl("markov", "markov_greedy", base, hidden, anchors, embed, head, conf_weight,
+               supported=base.dtype == torch.float32
+               and floats.issuperset((hidden.dtype, embed.dtype, head.dtype, conf_weight.dtype)))
+    return fn(base, hidden, anchors, embed, head, conf_weight)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv41.config import ModelConfig
+from dsv41.kernels import ops
 from dsv41.model.mhc import hc_pre, identity_pre_mix
 from dsv41.model.moe import MoE, official_parameters
 from dsv41.model.norm import RMSNorm
@@ -216,8 +217,16 @@ class DSpark(nn.Module):
         hidden (..., K, dim), anchor_tokens (...) → (tokens (..., K) long, draft probabilities (..., K, V)
         the tokens were drawn from (one-hot when greedy), confidence logits (..., K)). `return_probs=False`
         gives None for the probabilities and skips building them (the engine's greedy drafting: a
-        (B, K, V) one-hot it never reads). No host reads: the greedy form is CUDA-graph capturable."""
+        (B, K, V) one-hot it never reads) and runs the loop below as one op (`ops.markov_greedy`: K + 1
+        kernels on CUDA). No host reads: the greedy form is CUDA-graph capturable."""
         base = self.base_logits(hidden)  # (..., K, V)
+        if temperature <= 0 and not return_probs:
+            K, markov = self.block_size, self.last.markov_head
+            tokens, conf = ops.markov_greedy(base.reshape(-1, K, base.size(-1)),  # (B, K, V)
+                                             hidden.reshape(-1, K, hidden.size(-1)),  # (B, K, dim)
+                                             anchor_tokens.reshape(-1), markov.embed.weight, markov.head.weight,
+                                             self.last.confidence_head.proj.weight)
+            return tokens.view(*anchor_tokens.shape, K), None, conf.view(*anchor_tokens.shape, K)  # (..., K)
         prev = anchor_tokens
         tokens, probs, conf = [], [], []
         for i in range(self.block_size):
