@@ -40,13 +40,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class TimedDrafter:
     """A drafter wrapper that adds up the seconds spent in propose / observe (synchronized when `sync` is)."""
 
-    def __init__(self, drafter, sync):
+    def __init__(self, drafter, sync, device_accept: bool = True):
         self.drafter, self.sync, self.seconds = drafter, sync, 0.0
         self.k = drafter.k
         self.features_at = getattr(drafter, "features_at", "output")
         self.pure_propose = getattr(drafter, "pure_propose", False)  # the engine's early proposal
         if hasattr(drafter, "observe_many"):  # the engine's batched hand-over, when the drafter has one
             self.observe_many = lambda *args: self._timed(drafter.observe_many, *args)
+        if hasattr(drafter, "observe_many_device") and device_accept:  # the engine's acceptance on the device
+            self.observe_many_device = lambda *args: self._timed(drafter.observe_many_device, *args)
+            self.observed_more = drafter.observed_more
         if hasattr(drafter, "warm_up"):  # the engine captures the drafter's graphs at start-up
             self.warm_up = drafter.warm_up
 
@@ -241,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prelaunch", action="store_true",
                     help="the speculative engine proposes and verifies at the start of each step, never at the end "
                          "of the one before (the comparison for chained verifications, Engine._chain)")
+    ap.add_argument("--host-accept", action="store_true",
+                    help="the speculative engine reads each verification before its acceptance, rollback and hand-over "
+                         "(the comparison for the device's greedy acceptance, Engine._accept_on_device)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
     args = ap.parse_args(argv)
@@ -310,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.drafter == "noisy":
             inner = NoisyDrafter(c.vocab_size, args.draft_tokens, base=inner, noise=0.3)
-        drafter = TimedDrafter(inner, sync if args.sync_drafter else (lambda: None))
+        drafter = TimedDrafter(inner, sync if args.sync_drafter else (lambda: None), not args.host_accept)
         if args.no_prelaunch:
             drafter.pure_propose = False
         t0 = time.perf_counter()
@@ -318,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                              prefill_layers=None, overlap=args.spec_overlap or None)
         report["spec_overlap"] = spec_engine.overlap
         report["prelaunch"] = drafter.pure_propose
+        report["device_accept"] = hasattr(drafter, "observe_many_device")
         profile_s = time.perf_counter() - t0
         spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter, B)
         st = spec_engine.stats.speculative

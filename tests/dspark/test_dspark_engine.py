@@ -154,10 +154,10 @@ def test_a_proposal_launched_early_is_not_used_after_a_plain_step(monkeypatch):
     prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (7, 26)]
     chain = Engine._chain
 
-    def chain_asking(self, seqs, plans):
+    def chain_asking(self, seqs, plans, early=None):
         self.asked_at_end = True
         try:
-            return chain(self, seqs, plans)
+            return chain(self, seqs, plans, early)
         finally:
             self.asked_at_end = False
     monkeypatch.setattr(Engine, "_chain", chain_asking)
@@ -194,11 +194,11 @@ def test_an_undone_launched_verification_leaves_the_caches_as_they_were():
     before = {}
     chain = engine._chain
 
-    def snapshot(seqs, plans):  # on the CPU the step's own rollback is done by now
+    def snapshot(seqs, plans, early=None):  # on the CPU the step's own rollback is done by now
         before.clear()
         before.update({s.id: cache_bytes(engine.pools, s.cache) for s in seqs})
         before["free"] = engine.free_pages()
-        return chain(seqs, plans)
+        return chain(seqs, plans, early)
     engine._chain = snapshot
     seqs = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in prompts]
     while engine._chained is None:
@@ -224,13 +224,24 @@ def test_an_undone_launched_verification_leaves_the_caches_as_they_were():
 
 def _record_verified(engine: Engine) -> list:
     """The drafts of every static verification `engine` runs from now on, appended to the returned list."""
-    verified, fetch = [], engine._fetch_proposal
+    verified, fetch, accept = [], engine._fetch_proposal, engine._accept_on_device
 
     def recording(prop, drafts, logits):
         out = fetch(prop, drafts, logits)
         verified.append(out[0])
         return out
-    engine._fetch_proposal = recording
+
+    def accepting(*args):  # the device's acceptance: the drafts come with its one read
+        accepted = accept(*args)
+        wait = accepted.wait
+
+        def recorded():
+            out = wait()
+            verified.append(out[0])
+            return out
+        accepted.wait = recorded
+        return accepted
+    engine._fetch_proposal, engine._accept_on_device = recording, accepting
     return verified
 
 
@@ -244,3 +255,68 @@ class _Impure:
 
     def __getattr__(self, name):
         return getattr(self._drafter, name)
+
+
+class _HostAccepting(_Impure):
+    """A DSparkDrafter whose hand-over counts come from the host only: the engine reads each verification before
+    its acceptance, rollback and hand-over (no `observe_many_device`), and launches proposals early as before."""
+
+    pure_propose = True
+
+    def __getattr__(self, name):
+        if name in ("observe_many_device", "observed_more"):
+            raise AttributeError(name)
+        return getattr(self._drafter, name)
+
+
+def test_greedy_acceptance_on_the_device_keeps_what_the_host_would():
+    """Greedy verifications accept on the device (`Engine._accept_on_device`): the rollback, the drafter's
+    hand-over and the next proposal are queued before the host reads the step. Against the same run reading
+    first (`_HostAccepting`): the same drafts verified, the same outputs (plain greedy decoding's), and every
+    finishing sequence's cache — window rings, entries, partial groups, token ids, pages: what the prefix cache
+    saves — byte-equal when it finishes. One row stops on a token it accepted as a draft, so the device kept a
+    position the emission drops: the rollback runs again from the same snapshot (`_settle_on_device`), and the
+    other rows keep their rows of the proposal launched before the stop was known (`_Prelaunched.rows`)."""
+    from tests.engine.test_speculative import cache_bytes
+
+    main, dspark = _tiny_pair()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (6, 23, 41)]
+    max_tokens = [30, 30, 26]
+    plain = [Engine(main).generate([p], max_tokens=m)[0] for p, m in zip(prompts, max_tokens)]
+
+    def run(drafter, stop: list[int]):
+        engine = Engine(main, drafter=drafter, max_batch=4, max_seq_len=128, step_time=StepTimeCurve([(1, 1.0)]),
+                        speculate="always")
+        verified, finished, settled = _record_verified(engine), {}, []
+        finish, settle = engine._finish, engine._settle_on_device
+
+        def finishing(seq):
+            finished[seq.id - seqs[0].id] = cache_bytes(engine.pools, seq.cache)
+            return finish(seq)
+
+        def settling(seqs_, starts, kept, device_keep):
+            settled.append((kept, device_keep))
+            return settle(seqs_, starts, kept, device_keep)
+        engine._finish, engine._settle_on_device = finishing, settling
+        params = [SamplingParams(max_tokens=m, stop_token_ids=stop if i == 0 else []) for i, m in enumerate(max_tokens)]
+        seqs = [engine.add_request(p, prm) for p, prm in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        return [s.output for s in seqs], verified, finished, settled, engine.stats.speculative
+
+    # a token row 0 accepts as its first draft, not emitted before: stopping on it cuts a block the device kept
+    outputs, verified, _, settled, _ = run(DSparkDrafter(dspark, max_sequences=4), [])
+    assert outputs == plain
+    first = next(d[0][0] for d, (kept, _) in zip(verified, settled) if kept[0] >= 2 and d[0][0] not in
+                 plain[0][:plain[0].index(d[0][0])])
+    device = run(DSparkDrafter(dspark, max_sequences=4), [first])
+    host = run(_HostAccepting(DSparkDrafter(dspark, max_sequences=4)), [first])
+    assert device[0] == host[0] and device[0][1:] == plain[1:] and device[0][0] == plain[0][:plain[0].index(first)]
+    assert device[1] == host[1] and len(device[1]) >= 10  # the same drafts, step by step
+    assert host[3] == [] and any(kept != keep for kept, keep in device[3])  # the re-run rollback happened
+    assert sorted(device[2]) == sorted(host[2]) == [0, 1, 2]
+    for i in range(3):
+        for name, value in host[2][i].items():
+            assert torch.equal(device[2][i][name], value), (i, name)
+    assert device[4].prelaunched > 0 and device[4].forwards == host[4].forwards

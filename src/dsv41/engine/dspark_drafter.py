@@ -296,6 +296,30 @@ class DSparkDrafter:
             raise ValueError(f"DSparkDrafter.observe_many: features of shapes {shapes}, ({B}, {T}, dim) expected")
         self._commit(slots, [self.observed_host[s] for s in slots], parts, keep)
 
+    @torch.no_grad()
+    def observe_many_device(self, seq_ids: list[int], features: dict[int, Tensor], keep: Tensor) -> None:
+        """`observe_many` with each row's count still on the device: keep (B,) long in [0, T], T ≤ window (the
+        engine's greedy acceptance, launched before the host has read it). The rings and the device counts move as
+        `observe_many` moves them; the host mirror stays until the caller tells it the counts (`observed_more`)."""
+        B = len(seq_ids)
+        if tuple(keep.shape) != (B,):
+            raise ValueError(f"DSparkDrafter.observe_many_device: keep of shape {tuple(keep.shape)} for {B} sequences")
+        if len(set(seq_ids)) != B:
+            raise ValueError("DSparkDrafter.observe_many_device: a sequence appears twice in one call")
+        slots = [self.slot(s) for s in seq_ids]
+        parts = self._feature_parts(features)  # [(B, T, dim)] per target layer
+        T = parts[0].size(1)
+        if any(tuple(p.shape[:2]) != (B, T) or p.dim() != 3 for p in parts) or T > self.window:
+            shapes = [tuple(p.shape) for p in parts]
+            raise ValueError(f"DSparkDrafter.observe_many_device: features of shapes {shapes}, ({B}, T ≤ "
+                             f"{self.window}, dim) expected")
+        self._commit(slots, [self.observed_host[s] for s in slots], parts, [T] * B, keep)
+
+    def observed_more(self, seq_ids: list[int], counts: list[int]) -> None:
+        """The host mirror catches up with an `observe_many_device`: sequence seq_ids[b] observed counts[b] more."""
+        for seq_id, n in zip(seq_ids, counts):
+            self.observed_host[self.slot(seq_id)] += int(n)
+
     def _feature_parts(self, features: dict[int, Tensor]) -> list[Tensor]:
         """The target layers' features in target order (the column blocks of a feature row), dims checked."""
         missing = [i for i in self.drafter.target_layer_ids if i not in features]
@@ -308,10 +332,12 @@ class DSparkDrafter:
                              f"{dim} expected")
         return parts
 
-    def _commit(self, slots: list[int], starts: list[int], parts: list[Tensor], counts: list[int]) -> None:
+    def _commit(self, slots: list[int], starts: list[int], parts: list[Tensor], counts: list[int],
+                counts_device: Tensor | None = None) -> None:
         """Row b's positions starts[b] + t, t < counts[b], get the context keys of its feature row t (parts:
         per target layer (B, T, dim)); then the slot has observed starts[b] + counts[b] positions. One packed
-        host → device copy, one copy per target into the rows buffer, one `_commit_step` (a graph replay)."""
+        host → device copy, one copy per target into the rows buffer, one `_commit_step` (a graph replay).
+        counts_device (B,): the counts come from the device instead (T ≤ window), the host mirror stays."""
         B, T = parts[0].shape[:2]
         W = self.window
         if T > W:  # only a row's last W kept positions can land (never from the engine): shift to that window
@@ -329,7 +355,9 @@ class DSparkDrafter:
         v = self._observe_in.host()
         v[0, :B], v[self.START, :B], v[self.COUNT, :B] = slots, starts, counts
         v[0, B:], v[self.START, B:], v[self.COUNT, B:] = self.dummy, 0, 0  # padding rows
-        self._observe_in.send()
+        d = self._observe_in.send()
+        if counts_device is not None:  # ordered after the packed copy on the stream
+            d[self.COUNT, :B].copy_(counts_device)
         rows = self._block_rows(Bb, Tb)  # (Bb, Tb, n_targets·dim); rows ≥ B and positions ≥ T stay stale
         dim = self.drafter.config.dim
         for j, part in enumerate(parts):  # cast to the drafter dtype as `.to(dtype)` does
@@ -338,8 +366,9 @@ class DSparkDrafter:
             self.observe_graphs.run(Bb, Tb)
         else:
             self._commit_step(Bb, Tb)
-        for s, first, n in zip(slots, starts, counts):
-            self.observed_host[s] = first + n
+        if counts_device is None:
+            for s, first, n in zip(slots, starts, counts):
+                self.observed_host[s] = first + n
 
     def _block_rows(self, Bb: int, Tb: int) -> Tensor:
         """The rows buffer as a contiguous (Bb, Tb, n_targets·dim) block (its layout depends on Tb)."""

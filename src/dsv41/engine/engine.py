@@ -120,6 +120,7 @@ class _Prelaunched:
     ids: list[int]
     n_tokens: list[int]
     proposal: Proposal
+    rows: list[int] | None = None  # the proposal's rows of these ids (None: all, in order)
 
 
 @dataclass
@@ -133,6 +134,18 @@ class _Chained:
     proposal: Proposal
     drafts: Tensor
     logits: Tensor
+
+
+@dataclass
+class _Accepted:
+    """A verification's greedy acceptance computed on the device (`Engine._accept_on_device`): each row's keep
+    count (accepted drafts + 1) and next pending token, on the device; `wait` gives the host, in one copy, per row
+    the drafts the step ran, whether the proposal's ids were valid, the argmax of each verified position and the
+    keep count."""
+
+    keep: Tensor
+    anchors: Tensor
+    wait: Callable[[], tuple[list[list[int]], list[bool], list[list[int]], list[int]]]
 
 
 @dataclass
@@ -315,6 +328,14 @@ class Engine:
             # each row's pending token, the proposal's anchor: a pinned host mirror and its device twin
             self._anchors = torch.zeros(max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
             self._anchors_dev = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+            # greedy acceptance on the device (`_accept_on_device`): each row's verification length in, and out in
+            # one copy per row the drafts k, the invalid-ids flag, the argmax of the k + 1 positions, the keep count
+            cuda = self.device.type == "cuda"
+            self._lengths = torch.zeros(max_batch, dtype=torch.long, pin_memory=cuda)
+            self._lengths_dev = torch.zeros(max_batch, dtype=torch.long, device=self.device)
+            self._accepted_host = torch.zeros(max_batch, 2 * drafter.k + 3, dtype=torch.long, pin_memory=cuda)
+            self._accepted_event = torch.cuda.Event() if cuda else None
+            self._draft_positions = torch.arange(drafter.k, device=self.device)
         # the decode batch's sampled tokens, copied here without a wait while prefill pieces launch (`step`)
         self._sampled_host = torch.zeros(max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.io = DecodeIO(c, self.pools, max_batch, capture_layers=wanted,
@@ -958,15 +979,18 @@ class Engine:
         """One step's wall time and tokens into the cost model."""
         self.cost_model.record(kind, bucket(B, self.buckets), B, seconds, tokens)
 
-    def _propose(self, seqs: list[Sequence], *, wait: bool = True, anchors: list[int] | None = None):
+    def _propose(self, seqs: list[Sequence], *, wait: bool = True, anchors: list[int] | None = None,
+                 anchors_device: Tensor | None = None):
         """The drafter's proposal for the batch, its shapes checked (None when it fails), and with `wait` its
         token ids checked and its confidences on the host; without (the static step), both come after the
         forward (`_fetch_proposal`), so nothing waits for the drafter here. anchors: each row's pending token
-        (default: its `next_token`)."""
+        (default: its `next_token`); anchors_device: the same on the device (the device's acceptance made them)."""
         k, B = self.drafter.k, len(seqs)
         try:
-            self._anchors.numpy()[:B] = [s.next_token for s in seqs] if anchors is None else anchors
-            prop = self.drafter.propose([s.id for s in seqs], self._anchors_device(B))
+            if anchors_device is None:
+                self._anchors.numpy()[:B] = [s.next_token for s in seqs] if anchors is None else anchors
+                anchors_device = self._anchors_device(B)
+            prop = self.drafter.propose([s.id for s in seqs], anchors_device)
             if tuple(prop.tokens.shape) != (B, k) or tuple(prop.confidence.shape) != (B, k):
                 raise ValueError(f"proposal shapes {tuple(prop.tokens.shape)}, {tuple(prop.confidence.shape)}; "
                                  f"({B}, {k}) expected")
@@ -983,7 +1007,16 @@ class Engine:
             return None, None
         return prop, confidence
 
-    def _chain(self, seqs: list[Sequence], plans: list[tuple[list[int], str | None]]) -> None:
+    def _proposes_next(self, seqs: list[Sequence], ask_cost_model: bool = True) -> bool:
+        """Whether the next step's proposal may be launched before this one's bookkeeping: the drafter's
+        proposals are a function of its state and the anchors (`pure_propose`: one launched and not used changes
+        nothing), no request waits (the next step would schedule it) and (ask_cost_model) the cost model drafts at
+        this batch — asked once the caches hold what the step keeps (`_chain`), as the next step would ask."""
+        return (getattr(self.drafter, "pure_propose", False) and not self.scheduler.waiting
+                and (not ask_cost_model or self.speculate == "always" or self._worth_drafting(seqs)))
+
+    def _chain(self, seqs: list[Sequence], plans: list[tuple[list[int], str | None]],
+               early: Proposal | None = None) -> None:
         """After a verification's hand-over, before its bookkeeping (emission, statistics) and the next step's
         scheduling: launch the next step's proposal — and its verification too where that step is certain to
         be these rows verifying again — so the device drafts and verifies while the host does the rest.
@@ -995,14 +1028,19 @@ class Engine:
         engine runs (no prefill under way), none asks for log-probabilities (the step's logits buffer is the
         next one's), and each row's next block fits the context and the pages it holds; the next
         `step` resolves it without scheduling (`_chained_step`) or, if its rows changed meanwhile (an abort),
-        undoes it (`_cancel_chain`)."""
+        undoes it (`_cancel_chain`). early: the proposal the device's acceptance launched already
+        (`_follow_on_device`); when rows finish, the others keep their rows of it."""
         self._next_proposal = None
-        if (not getattr(self.drafter, "pure_propose", False) or self.scheduler.waiting
-                or any(reason is not None for _, reason in plans)
-                or not (self.speculate == "always" or self._worth_drafting(seqs))):
+        going = [b for b, (_, reason) in enumerate(plans) if reason is None]
+        if early is not None and len(going) < len(seqs):
+            if going:
+                self._next_proposal = _Prelaunched([seqs[b].id for b in going],
+                                                   [seqs[b].cache.n_tokens for b in going], early, going)
+            return
+        if len(going) < len(seqs) or not self._proposes_next(seqs):
             return
         anchors = [tokens[-1] for tokens, _ in plans]  # each row's next pending token
-        prop, _ = self._propose(seqs, wait=False, anchors=anchors)
+        prop = early if early is not None else self._propose(seqs, wait=False, anchors=anchors)[0]
         if prop is None:
             return
         k = self.drafter.k
@@ -1051,7 +1089,11 @@ class Engine:
         if early is None or early.ids != [s.id for s in seqs] or early.n_tokens != [s.cache.n_tokens for s in seqs]:
             return None
         self.stats.speculative.prelaunched += 1
-        return early.proposal
+        prop = early.proposal
+        if early.rows is not None:  # rows finished since it was launched: the others' rows (each row drafts alone)
+            rows = torch.tensor(early.rows, device=prop.tokens.device)
+            prop = Proposal(tokens=prop.tokens.index_select(0, rows), confidence=prop.confidence.index_select(0, rows))
+        return prop
 
     def _anchors_device(self, B: int) -> Tensor:
         """Each row's pending token on the device: one copy from the pinned host mirror."""
@@ -1079,6 +1121,7 @@ class Engine:
         every row's block fits max_seq_len; otherwise the host-driven forward over max L + 1 positions.
         chained: this step's static verification, launched already at the end of the step before (`_chain`)."""
         c, B, stats, k = self.config, len(seqs), self.stats.speculative, self.drafter.k
+        accepted = early = None  # the device's greedy acceptance and the next proposal it launched (static step)
         caps, batch_cap = self._verify_caps(seqs)
         static = chained is not None or (self.vio is not None and batch_cap >= k)
         if chained is None:
@@ -1107,8 +1150,16 @@ class Engine:
                 on_device = prop.tokens.long().clamp(0, c.vocab_size - 1)  # (B, k)
                 logits = self._run_static(self.vio, self.vgraphs, caches, [[s.next_token] * T for s in seqs],
                                           drafts=on_device)  # (B, T, V) fp32
-            drafts, valid, greedy_ids = self._fetch_proposal(prop, on_device, logits)
-            lengths = [min(cap, batch_cap) if ok else 0 for cap, ok in zip(caps, valid)]
+            lengths = [min(cap, batch_cap) for cap in caps]  # 0 below where the proposal's ids were invalid
+            if self._accepts_on_device(seqs, prop):
+                # greedy acceptance, rollback, hand-over and the next proposal queued behind the forward before
+                # the host waits: the device goes on while the host reads the result and does the bookkeeping
+                accepted = self._accept_on_device(prop, on_device, logits, lengths)
+                early = self._follow_on_device(seqs, accepted)
+                drafts, valid, greedy_ids, device_keep = accepted.wait()
+            else:
+                drafts, valid, greedy_ids = self._fetch_proposal(prop, on_device, logits)
+            lengths = [n if ok else 0 for n, ok in zip(lengths, valid)]
             block = [[s.next_token] + d for s, d in zip(seqs, drafts)]
             features = {layer: self.vio.features[j, :B] for j, layer in enumerate(self.vio.capture_layers)}
             projections = {s: (kv[:B], sc[:B]) for s, (kv, sc) in self.vio.projections.items()}
@@ -1137,18 +1188,20 @@ class Engine:
         verdicts = verify(logits, drafts, lengths, [s.params for s in seqs], [s.generator for s in seqs],
                           None if prop is None else prop.probs, greedy_ids=greedy_ids)
         plans = [self._emission(s, v.tokens, start) for s, v, start in zip(seqs, verdicts, starts)]
-        if rollback is None:
-            self._restore_static(caches, starts, [len(tokens) for tokens, _ in plans])
+        kept = [len(tokens) for tokens, _ in plans]
+        if accepted is not None:
+            self._settle_on_device(seqs, starts, kept, device_keep)
+        elif rollback is None:
+            self._restore_static(caches, starts, kept)
         else:
-            rollback.restore([len(tokens) for tokens, _ in plans], projections)
+            rollback.restore(kept, projections)
         self.stats.decode_steps += 1
-        self.stats.decode_tokens += sum(len(tokens) for tokens, _ in plans)
+        self.stats.decode_tokens += sum(kept)
         stats.forwards += 1
-        # the drafter sees the committed block positions of the rows that go on
-        keep = [len(tokens) if reason is None else 0 for tokens, reason in plans]
-        self._observe(seqs, block, features, keep)
+        if accepted is None:  # the drafter sees the committed block positions of the rows that go on
+            self._observe(seqs, block, features, [n if reason is None else 0 for n, (_, reason) in zip(kept, plans)])
         if static:
-            self._chain(seqs, plans)  # before the bookkeeping below: the device works while the host does it
+            self._chain(seqs, plans, early)  # before the bookkeeping below: the device works while the host does it
         outputs: list[StepOutput] = []
         for b, (seq, v, (tokens, reason)) in enumerate(zip(seqs, verdicts, plans)):
             stats.record(lengths[b], v.accepted, len(tokens))
@@ -1171,6 +1224,79 @@ class Engine:
         if static:  # the whole step, its emission included (as a plain step's measure includes `_emit`)
             self._measure("spec", B, time.perf_counter() - t0, sum(len(tokens) for tokens, _ in plans))
         return outputs
+
+    def _accepts_on_device(self, seqs: list[Sequence], prop: Proposal) -> bool:
+        """Whether this static verification's acceptance runs on the device (`_accept_on_device`): every row is
+        greedy (exact match needs no random draw), the drafts are deterministic, and the drafter takes its hand-over
+        counts from the device (`observe_many_device`)."""
+        return (prop.probs is None and hasattr(self.drafter, "observe_many_device")
+                and all(s.params.greedy for s in seqs))
+
+    def _accept_on_device(self, prop: Proposal, drafts: Tensor, logits: Tensor, lengths: list[int]) -> _Accepted:
+        """Greedy acceptance of the static verification on the device, queued behind its forward: row b accepts
+        the longest prefix of its drafts (B, k) within lengths[b] (0 where the proposal's ids were invalid) equal
+        to the argmax of logits (B, k + 1, V) — as `verify` does on the host — and keeps accepted + 1 positions; its
+        next pending token is the argmax after the accepted prefix. The result goes to a pinned host buffer in one
+        copy, followed by an event: `wait` waits for that copy only, not for work queued after it."""
+        B, k = drafts.shape
+        self._lengths.numpy()[:B] = lengths  # its last copy out ran before the last step's wait
+        live = self._lengths_dev[:B]
+        live.copy_(self._lengths[:B], non_blocking=True)
+        ids = prop.tokens.long()
+        bad = ((ids < 0) | (ids >= self.config.vocab_size)).any(dim=1)  # (B,)
+        greedy = logits.argmax(dim=-1)  # (B, k + 1): ties to the lowest id, as the host's `verify`
+        verified = self._draft_positions < torch.where(bad, 0, live).unsqueeze(1)  # (B, k)
+        n = ((drafts == greedy[:, :k]) & verified).long().cumprod(dim=1).sum(dim=1)  # (B,) accepted drafts
+        anchors = greedy.gather(1, n.unsqueeze(1)).squeeze(1)  # (B,)
+        out = self._accepted_host[:B]
+        out.copy_(torch.cat((drafts, bad.long().unsqueeze(1), greedy, (n + 1).unsqueeze(1)), dim=1), non_blocking=True)
+        event = self._accepted_event
+        if event is not None:
+            event.record()
+
+        def wait() -> tuple[list[list[int]], list[bool], list[list[int]], list[int]]:
+            if event is not None:
+                event.synchronize()
+            rows = out.tolist()
+            if any(row[k] for row in rows):
+                log.warning("the drafter proposed token ids outside the vocabulary; those rows verify no drafts")
+            return [r[:k] for r in rows], [not r[k] for r in rows], [r[k + 1:-1] for r in rows], [r[-1] for r in rows]
+
+        return _Accepted(n + 1, anchors, wait)
+
+    def _follow_on_device(self, seqs: list[Sequence], accepted: _Accepted) -> Proposal | None:
+        """What follows the device's acceptance, queued before the host has read it: the rollback to each row's
+        keep count, the drafter's hand-over of the kept positions (their count from the device) and, when the
+        next step drafts these rows (`_proposes_next`), its proposal from the new pending tokens (returned).
+        `_settle_on_device` brings the host's side along once it has the counts."""
+        B, vio = len(seqs), self.vio
+        vio.keep_device.fill_(vio.T)  # padding rows keep all T
+        vio.keep_device[:B].copy_(accepted.keep)
+        if self.vgraphs is not None:
+            self.vgraphs.restore(B)
+        else:
+            self.runner.restore(vio, B)
+        features = {layer: vio.features[j, :B] for j, layer in enumerate(vio.capture_layers)}
+        self.drafter.observe_many_device([s.id for s in seqs], features, accepted.keep)
+        if not self._proposes_next(seqs, ask_cost_model=False):  # `_chain` asks it, and drops this one on a no
+            return None
+        return self._propose(seqs, wait=False, anchors_device=accepted.anchors)[0]
+
+    def _settle_on_device(self, seqs: list[Sequence], starts: list[int], kept: list[int], device_keep: list[int]
+                          ) -> None:
+        """The host's side of `_follow_on_device`: each cache truncated to the positions its row keeps (`kept`: the
+        emission; a row cut short by its end differs from the device's count — then the rollback runs again, with
+        these counts: it restores from the same snapshot), and the drafter's host counts moved by the device's."""
+        caches = [s.cache for s in seqs]
+        if kept != device_keep:
+            self._restore_static(caches, starts, kept)
+        else:
+            for cache, start, n in zip(caches, starts, kept):
+                cache.truncate(start + n)
+        ids = [s.id for s in seqs]
+        self.drafter.observed_more(ids, device_keep)
+        for seq_id, n in zip(ids, device_keep):
+            self._drafter_seen[seq_id] = self._drafter_seen.get(seq_id, 0) + n
 
     def _restore_static(self, caches: list[SequenceCache], starts: list[int], keep: list[int]) -> None:
         """Undo the static verification step past each row's keep count: the device half replayed from
