@@ -320,3 +320,41 @@ def test_greedy_acceptance_on_the_device_keeps_what_the_host_would():
         for name, value in host[2][i].items():
             assert torch.equal(device[2][i][name], value), (i, name)
     assert device[4].prelaunched > 0 and device[4].forwards == host[4].forwards
+
+
+class _OutOfVocabulary(_Impure):
+    """A DSparkDrafter whose second draft is an id past the vocabulary wherever the anchor is a multiple of 3 —
+    a function of the anchors: proposals launched early stay valid (`pure_propose`)."""
+
+    pure_propose = True
+
+    def propose(self, seq_ids, last_tokens):
+        prop = self._drafter.propose(seq_ids, last_tokens)
+        tokens = prop.tokens.clone()
+        tokens[:, 1] = torch.where(last_tokens.reshape(-1) % 3 == 0, 10 ** 6, tokens[:, 1])
+        return type(prop)(tokens=tokens, confidence=prop.confidence)
+
+
+def test_rows_proposing_ids_outside_the_vocabulary_verify_nothing_on_the_device_either():
+    """The device's acceptance verifies no draft of a row whose proposal held an id outside the vocabulary — not
+    even the valid drafts before it (the host's rule; its ids are clamped into the vocabulary for the forward):
+    the same drafts verified, tokens emitted and acceptances as the run reading first."""
+    main, dspark = _tiny_pair()
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (6, 23, 41)]
+    plain = [Engine(main).generate([p], max_tokens=24)[0] for p in prompts]
+    runs = []
+    for device in (True, False):
+        drafter = _OutOfVocabulary(DSparkDrafter(dspark, max_sequences=4))
+        engine = Engine(main, drafter=drafter if device else _HostAccepting(drafter), max_batch=4, max_seq_len=128,
+                        step_time=StepTimeCurve([(1, 1.0)]), speculate="always")
+        verified, seen = _record_verified(engine), []
+        settle = engine._settle_on_device
+        engine._settle_on_device = lambda *a, seen=seen, settle=settle: (seen.append(a[3]), settle(*a))[1]
+        assert engine.generate(prompts, max_tokens=24) == plain
+        runs.append((verified, seen, engine.stats.speculative.accepted))
+    (verified_d, seen_d, accepted_d), (verified_h, seen_h, accepted_h) = runs
+    assert verified_d == verified_h and accepted_d == accepted_h > 0 and seen_h == []
+    clamped = [(d, keep) for step, keeps in zip(verified_d, seen_d) for d, keep in zip(step, keeps)
+               if d[1] == dspark.config.vocab_size - 1]
+    assert clamped and all(keep == 1 for _, keep in clamped)  # a clamped row keeps its pending token only
