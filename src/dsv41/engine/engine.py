@@ -28,6 +28,8 @@ where the cost model says drafting does not pay at this batch size, the step dec
 With a drafter whose proposals draw nothing at random (`pure_propose`), a verification that leaves every
 row going on launches the next step's proposal — and, when the next step is certain to verify the same rows,
 its verification too — before its own bookkeeping (`_chain`): the device works while the host does that.
+Greedy verifications accept on the device (`_accept_on_device`): the rollback, the drafter's hand-over and the
+next proposal are queued behind the forward before the host reads the step, so the device never waits for it.
 A request that fails alone (a sampler error, say) finishes with `error` set; the others go on.
 """
 
