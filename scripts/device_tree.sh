@@ -9,9 +9,10 @@
 #   bash scripts/device_tree.sh unpark         # everything back (idempotent)
 #   bash scripts/device_tree.sh size           # MiB that would travel now
 #
-# A call that needs both: park model → a call copying models/dsv41-small/dspark to /tmp/dsv41-drafter →
-# unpark, park drafter → the next call, in the same batch of calls (the box keeps /tmp for 30 s of idle),
-# runs `DRAFTER_DIR=/tmp/dsv41-drafter bash scripts/gpu_speculative.sh` (it copies the drafter back in).
+# A call that needs both (the speculative benchmark): park model and vl → `bash scripts/gpu_speculative.sh` (with
+# the model parked it copies the drafter to /tmp/dsv41-drafter and runs the drafter's GPU tests) → unpark, park
+# drafter and vl (60 MiB) → at once (the box keeps /tmp for 30 s of idle) `bash scripts/gpu_speculative.sh` again
+# (it copies the drafter back in and runs the benchmark).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARK=${PARK:-/tmp/dsv41-park}
@@ -35,5 +36,6 @@ case ${1:-size} in
   size) ;;
   *) echo "device_tree: park drafter|model|vl, unpark or size" >&2; exit 2 ;;
 esac
+set +o pipefail  # parked files are tracked and absent: du skips them (exit 123), the total is still right
 { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 du -cb 2>/dev/null | tail -1 \
   | awk '{printf "device_tree: %.1f MiB would travel (limit 64)\n", $1 / 1048576}'
