@@ -5,11 +5,12 @@
         --new-tokens 16                                                                  # a smoke run
 
 One speculative engine (`speculate="always"`) decodes greedy requests; every phase of the step — catch-up,
-propose, rollback snapshot, the static verification step, acceptance, rollback, the drafter's hand-over,
-log-probs and emission — is wrapped in a timer that synchronizes the device before and after (so a phase's
-time is its host time plus the device work it queues; the sum is a synchronized step, a little slower than
-a real one). Then a few steps run under torch.profiler: per phase, the kernel launches (CUDA: launches and
-graph replays; CPU: top-level aten ops) it issues.
+propose, rollback snapshot, the static verification step, acceptance, rollback, the drafter's hand-over
+(with greedy acceptance on the device: that acceptance, then the rollback, hand-over and next proposal it queues,
+then the host's settling), log-probs and emission — is wrapped in a timer that synchronizes the device
+before and after (so a phase's time is its host time plus the device work it queues; the sum is a synchronized
+step, a little slower than a real one). Then a few steps run under torch.profiler: per phase, the kernel
+launches (CUDA: launches and graph replays; CPU: top-level aten ops) it issues.
 Writes benchmarks/results/spec_phases-<date>-b<batch>-<dtype>.json.
 """
 
@@ -193,8 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     phases = Phases(sync)
     for attr, name in (("_catch_up", "catch-up"), ("_propose", "propose"), ("_run_static", "verification step"),
                        ("_observe", "drafter hand-over"), ("_logprobs", "logprobs"), ("_emission", "emission"),
-                       ("_fetch_proposal", "fetch proposal"), ("_restore_static", "rollback")):
+                       ("_fetch_proposal", "fetch proposal"), ("_accept_on_device", "acceptance (device)"),
+                       ("_settle_on_device", "settle (host)")):
         phases.wrap(engine, attr, name)
+    # the static rollback's device half (from `_restore_static` or, accepting on the device, `_follow_on_device`)
+    phases.wrap(engine.vgraphs or engine.runner, "restore", "rollback")
+    if hasattr(engine.drafter, "observe_many_device"):  # the hand-over `_follow_on_device` queues
+        phases.wrap(engine.drafter, "observe_many_device", "drafter hand-over")
     phases.wrap(engine_mod, "verify", "acceptance")
     phases.wrap(VerifyRollback, "__init__", "rollback snapshot")
     phases.wrap(VerifyRollback, "restore", "rollback")
