@@ -331,6 +331,40 @@ def test_padded_commit_step_leaves_every_live_ring_and_count_as_the_unpadded_com
         torch.set_num_threads(threads)
 
 
+def test_observe_many_with_device_counts_equals_observe_many():
+    """`observe_many_device` (the counts a device tensor: the engine's greedy acceptance, read later) commits what
+    `observe_many` with the same counts commits — rings and device counts bit-equal, proposals equal — and leaves the
+    host mirror until `observed_more` moves it to the same counts; bad input is a clear error."""
+    _, drafter = _models(seed=95)
+    g = torch.Generator().manual_seed(96)
+    host, device = DSparkDrafter(drafter, max_sequences=4), DSparkDrafter(drafter, max_sequences=4)
+    seqs = [2, 0, 3]
+    for s, n in zip(seqs, (3, WINDOW + 2, 2 * WINDOW)):
+        _prefill([host, device], s, n, drafter, g)
+    T = 6
+    for step in range(4):
+        keep = torch.randint(1, T + 1, (len(seqs),), generator=g)
+        keep[step % len(seqs)] = T
+        tokens = torch.randint(17, 16384, (len(seqs), T), generator=g)
+        feats = _features(drafter, (len(seqs), T), g)
+        before = list(device.observed_host)
+        host.observe_many(seqs, tokens, feats, keep.tolist())
+        device.observe_many_device(seqs, feats, keep)
+        assert device.observed_host == before  # the host has not read the counts yet
+        device.observed_more(seqs, keep.tolist())
+        assert device.observed_host == host.observed_host
+        assert torch.equal(device.observed, host.observed)
+        assert all(torch.equal(a, b) for a, b in zip(device.rings, host.rings))
+    anchors = torch.randint(17, 16384, (len(seqs),), generator=g)
+    assert torch.equal(device.propose(seqs, anchors).tokens, host.propose(seqs, anchors).tokens)
+    with pytest.raises(ValueError, match="keep of shape"):
+        device.observe_many_device(seqs, feats, keep[:2])
+    with pytest.raises(ValueError, match="twice"):
+        device.observe_many_device([2, 2, 0], feats, keep)
+    with pytest.raises(ValueError, match="expected"):
+        device.observe_many_device(seqs, {i: f[:2] for i, f in feats.items()}, keep)
+
+
 def test_bad_observe_many_input_is_a_clear_error():
     _, drafter = _models(seed=70)
     static = DSparkDrafter(drafter, max_sequences=2)
