@@ -363,6 +363,8 @@ def test_observe_many_with_device_counts_equals_observe_many():
         device.observe_many_device([2, 2, 0], feats, keep)
     with pytest.raises(ValueError, match="expected"):
         device.observe_many_device(seqs, {i: f[:2] for i, f in feats.items()}, keep)
+    with pytest.raises(ValueError, match=f"T ≤ {WINDOW}"):  # longer than a window: its counts are not checkable
+        device.observe_many_device(seqs, _features(drafter, (len(seqs), WINDOW + 1), g), keep)
 
 
 def test_bad_observe_many_input_is_a_clear_error():

@@ -290,10 +290,7 @@ class DSparkDrafter:
         slots = [self.slot(s) for s in seq_ids]
         if not any(keep):
             return
-        parts = self._feature_parts(features)  # [(B, T, dim)] per target layer
-        if any(tuple(p.shape[:2]) != (B, T) or p.dim() != 3 for p in parts):
-            shapes = [tuple(p.shape) for p in parts]
-            raise ValueError(f"DSparkDrafter.observe_many: features of shapes {shapes}, ({B}, {T}, dim) expected")
+        parts = self._block_parts("observe_many", features, B, T)
         self._commit(slots, [self.observed_host[s] for s in slots], parts, keep)
 
     @torch.no_grad()
@@ -307,18 +304,27 @@ class DSparkDrafter:
         if len(set(seq_ids)) != B:
             raise ValueError("DSparkDrafter.observe_many_device: a sequence appears twice in one call")
         slots = [self.slot(s) for s in seq_ids]
-        parts = self._feature_parts(features)  # [(B, T, dim)] per target layer
+        parts = self._block_parts("observe_many_device", features, B)
         T = parts[0].size(1)
-        if any(tuple(p.shape[:2]) != (B, T) or p.dim() != 3 for p in parts) or T > self.window:
-            shapes = [tuple(p.shape) for p in parts]
-            raise ValueError(f"DSparkDrafter.observe_many_device: features of shapes {shapes}, ({B}, T ≤ "
-                             f"{self.window}, dim) expected")
         self._commit(slots, [self.observed_host[s] for s in slots], parts, [T] * B, keep)
 
     def observed_more(self, seq_ids: list[int], counts: list[int]) -> None:
         """The host mirror catches up with an `observe_many_device`: sequence seq_ids[b] observed counts[b] more."""
         for seq_id, n in zip(seq_ids, counts):
             self.observed_host[self.slot(seq_id)] += int(n)
+
+    def _block_parts(self, caller: str, features: dict[int, Tensor], B: int, T: int | None = None) -> list[Tensor]:
+        """The target layers' features of a batched hand-over, each (B, T, dim) — T None: theirs, at most the
+        window (the device-count hand-over, whose counts the host cannot check)."""
+        parts = self._feature_parts(features)
+        free = T is None
+        if free:
+            T = parts[0].size(1) if parts[0].dim() == 3 else -1
+        if any(p.dim() != 3 or tuple(p.shape[:2]) != (B, T) for p in parts) or (free and T > self.window):
+            shapes = [tuple(p.shape) for p in parts]
+            raise ValueError(f"DSparkDrafter.{caller}: features of shapes {shapes}, "
+                             f"({B}, {f'T ≤ {self.window}' if free else T}, dim) expected")
+        return parts
 
     def _feature_parts(self, features: dict[int, Tensor]) -> list[Tensor]:
         """The target layers' features in target order (the column blocks of a feature row), dims checked."""

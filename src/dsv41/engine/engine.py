@@ -1000,8 +1000,7 @@ class Engine:
                 raise ValueError(f"proposal probs of shape {tuple(prop.probs.shape)}")
             if not wait:
                 return prop, None
-            tokens = prop.tokens.long()
-            if bool(((tokens < 0) | (tokens >= self.config.vocab_size)).any()):
+            if bool(self._invalid_rows(prop).any()):
                 raise ValueError("proposal holds token ids outside the vocabulary")
             confidence = prop.confidence.float().clamp(0, 1).tolist()
         except Exception:  # noqa: BLE001 - a broken drafter costs speed, never correctness
@@ -1108,10 +1107,19 @@ class Engine:
         """After the verification step: the drafts (B, k) the step ran (the proposal's ids clamped into the
         vocabulary — a row that needed it verifies nothing), per row whether its ids were valid, and the argmax
         of each verified position (logits (B, T, V): what greedy acceptance compares) — one transfer."""
-        tokens = prop.tokens.long()
-        k = drafts.size(1)
-        bad = ((tokens < 0) | (tokens >= self.config.vocab_size)).any(dim=1, keepdim=True)  # (B, 1)
-        rows = torch.cat((drafts, bad.long(), logits.argmax(dim=-1)), dim=1).tolist()  # waits for the step
+        bad = self._invalid_rows(prop)
+        rows = torch.cat((drafts, bad.long().unsqueeze(1), logits.argmax(dim=-1)), dim=1).tolist()  # waits
+        return self._split_fetched(rows, drafts.size(1))
+
+    def _invalid_rows(self, prop: Proposal) -> Tensor:
+        """(B,) bool on the device: the rows whose proposal holds a token id outside the vocabulary."""
+        ids = prop.tokens.long()
+        return ((ids < 0) | (ids >= self.config.vocab_size)).any(dim=1)
+
+    @staticmethod
+    def _split_fetched(rows: list[list[int]], k: int) -> tuple[list[list[int]], list[bool], list[list[int]]]:
+        """Rows read back as [drafts (k), invalid flag, argmax of each verified position] → (drafts, valid,
+        argmax), with a warning when a row's proposal was invalid (`_fetch_proposal`, `_accept_on_device`)."""
         if any(row[k] for row in rows):
             log.warning("the drafter proposed token ids outside the vocabulary; those rows verify no drafts")
         return [row[:k] for row in rows], [not row[k] for row in rows], [row[k + 1:] for row in rows]
@@ -1244,8 +1252,7 @@ class Engine:
         self._lengths.numpy()[:B] = lengths  # its last copy out ran before the last step's wait
         live = self._lengths_dev[:B]
         live.copy_(self._lengths[:B], non_blocking=True)
-        ids = prop.tokens.long()
-        bad = ((ids < 0) | (ids >= self.config.vocab_size)).any(dim=1)  # (B,)
+        bad = self._invalid_rows(prop)  # (B,)
         greedy = logits.argmax(dim=-1)  # (B, k + 1): ties to the lowest id, as the host's `verify`
         verified = self._draft_positions < torch.where(bad, 0, live).unsqueeze(1)  # (B, k)
         n = ((drafts == greedy[:, :k]) & verified).long().cumprod(dim=1).sum(dim=1)  # (B,) accepted drafts
@@ -1259,10 +1266,8 @@ class Engine:
         def wait() -> tuple[list[list[int]], list[bool], list[list[int]], list[int]]:
             if event is not None:
                 event.synchronize()
-            rows = out.tolist()
-            if any(row[k] for row in rows):
-                log.warning("the drafter proposed token ids outside the vocabulary; those rows verify no drafts")
-            return [r[:k] for r in rows], [not r[k] for r in rows], [r[k + 1:-1] for r in rows], [r[-1] for r in rows]
+            rows = out.tolist()  # the keep count last
+            return *self._split_fetched([r[:-1] for r in rows], k), [r[-1] for r in rows]
 
         return _Accepted(n + 1, anchors, wait)
 
