@@ -9,7 +9,8 @@
 For each batch size the same greedy requests (prompts of `--prompt-len` tokens, `--new-tokens` each) run
 on a plain engine (CUDA graphs on a GPU) and on a speculative one (the static verification step of k + 1
 positions and the drafter's proposal, both CUDA-graphed on a GPU, the verification-length scheduler over the
-step-time curve the engine profiled at start-up, the cost model of `speculate`). Measured over
+step-time curve the engine profiled at start-up, the cost model of `speculate`), each warmed up first as a
+server starts (`Engine.warm_up`: every prefill shape compiled, every decode graph captured). Measured over
 the decode phase (after every prompt's prefill): tokens/s, the seconds spent inside the drafter (host
 seconds only unless --sync-drafter, which then costs the run its host/device overlap; "spec excluding
 drafter" = what a free drafter would give — the oracle drafter is a second copy of the model and costs as
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import sys
 import time
@@ -75,6 +77,14 @@ class TimedDrafter:
 
     def propose(self, seq_ids, last_tokens):
         return self._timed(self.drafter.propose, seq_ids, last_tokens)
+
+
+STALL_S = 0.02  # a decode-window step slower than this is listed with what ran in it (`decode_run`'s "stalls")
+
+
+def gc_collections() -> int:
+    """Python garbage collections so far, every generation."""
+    return sum(g["collections"] for g in gc.get_stats())
 
 
 def gpu_seconds(engine, steps: int, device: str) -> tuple[float | None, int]:
@@ -137,8 +147,16 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
     steady = None  # (tokens, seconds) while every slot was busy
     peak = 0  # the most rows running after a step (a closed batch whose first rows finish before its last prompts
     # are admitted never has every slot busy: its "steady" window is then a step or two)
+    stalls = []  # steps of more than STALL_S: what ran in them (graph captures, Python's garbage collection)
+    step = 0
     while engine.has_work():
+        n_captures, n_gc, t_step = captures(), gc_collections(), time.perf_counter()
         engine.step()
+        dt = time.perf_counter() - t_step
+        if dt > STALL_S:
+            stalls.append({"step": step, "ms": round(1e3 * dt, 3), "rows": len(engine.running),
+                           "graph_captures": captures() - n_captures, "gc_collections": gc_collections() - n_gc})
+        step += 1
         peak = max(peak, len(engine.running))
         if steady is None and sum(not s.finished for s in seqs) < slots:
             sync()
@@ -163,6 +181,7 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
             "steady_tokens": steady[0] if steady else None, "steady_s": steady[1] if steady else None,
             "steady_tokens_per_s": steady[0] / steady[1] if steady and steady[1] else None,
             "peak_running_rows": peak,
+            "stalls": stalls,  # steps of the decode window slower than STALL_S, with what ran in them
             "prefilled_s": prefilled_s,  # submit → the first `slots` prompts all prefilled (decode steps beside)
             # over the whole closed batch: runs, pieces, forwards and decode steps, graphs captured meanwhile
             "counts": {name: getattr(engine.stats, name) - before[name] for name in counted}
@@ -196,7 +215,9 @@ def divergences(model, prompts: list[list[int]], plain: list[list[int]], spec: l
 
 
 def text_prompts(data: Path, length: int, n: int) -> list[list[int]]:
-    """n prompts of `length` tokens: windows spaced along the corpus's validation documents (cycled when short)."""
+    """n prompts of `length` tokens: windows of the corpus's validation documents, starting every length / 8 tokens
+    (overlapping: `data/sample` holds 11 disjoint windows of 512, 87 of these), n of them spread evenly over all
+    (cycled when there are fewer)."""
     from dsv41.train.data import load_corpus
     from dsv41.train.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 
@@ -205,9 +226,11 @@ def text_prompts(data: Path, length: int, n: int) -> list[list[int]]:
     windows = []
     for i in range(len(val)):
         doc = val.doc(i).tolist()
-        windows += [doc[s: s + length] for s in range(0, len(doc) - length + 1, length)]
+        windows += [doc[s: s + length] for s in range(0, len(doc) - length + 1, max(1, length // 8))]
     if not windows:
         raise SystemExit(f"speculative: no validation document of {data} has {length} tokens")
+    if n <= len(windows):
+        return [windows[i * len(windows) // n] for i in range(n)]
     return [windows[i % len(windows)] for i in range(n)]
 
 
@@ -239,14 +262,18 @@ def main(argv: list[str] | None = None) -> int:
                          "(the speculative run then loses the overlap of host and device: slower)")
     ap.add_argument("--plain-overlap", choices=["auto", "on", "off"], default="auto",
                     help="the plain engine's overlapped decode (auto: the engine's default, on with CUDA)")
-    ap.add_argument("--spec-overlap", action="store_true",
-                    help="the speculative engine overlaps the plain steps its cost model chooses (overlap=True)")
+    ap.add_argument("--spec-overlap", choices=["auto", "on", "off"], default="auto",
+                    help="the speculative engine's overlap of the plain steps its cost model chooses (auto: the "
+                         "engine's default, on with CUDA)")
     ap.add_argument("--no-prelaunch", action="store_true",
                     help="the speculative engine proposes and verifies at the start of each step, never at the end "
                          "of the one before (the comparison for chained verifications, Engine._chain)")
     ap.add_argument("--host-accept", action="store_true",
                     help="the speculative engine reads each verification before its acceptance, rollback and hand-over "
                          "(the comparison for the device's greedy acceptance, Engine._accept_on_device)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="move every object alive after the model's load out of Python's garbage collection "
+                         "(gc.freeze: fewer and shorter collections; the comparison for the stalls it causes)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
     args = ap.parse_args(argv)
@@ -299,12 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     report["requests_per_slot"] = R
     text = text_prompts(args.text, args.prompt_len, R * max(args.batches)) if args.text else None
     report["prompts"] = f"validation windows of {args.text}" if text else "random token ids"
+    report["gc_freeze"] = args.gc_freeze
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     for B in args.batches:
         prompts = (text[:R * B] if text else
                    torch.randint(3, c.vocab_size, (R * B, args.prompt_len), generator=g).tolist())
         plain = Engine(model, max_batch=B, max_seq_len=max_seq_len, prefill_layers=None,
                        overlap={"auto": None, "on": True, "off": False}[args.plain_overlap])
         report["plain_overlap"] = plain.overlap
+        warm_s = {"plain": plain.warm_up()}  # every prefill shape compiled, every decode graph captured
         base = decode_run(plain, prompts, args.new_tokens, args.device, args.profile_steps, None, B)
         del plain
         try:
@@ -321,11 +353,12 @@ def main(argv: list[str] | None = None) -> int:
             drafter.pure_propose = False
         t0 = time.perf_counter()
         spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate,
-                             prefill_layers=None, overlap=args.spec_overlap or None)
+                             prefill_layers=None, overlap={"auto": None, "on": True, "off": False}[args.spec_overlap])
         report["spec_overlap"] = spec_engine.overlap
         report["prelaunch"] = drafter.pure_propose
         report["device_accept"] = hasattr(drafter, "observe_many_device")
         profile_s = time.perf_counter() - t0
+        warm_s["speculative"] = spec_engine.warm_up()
         spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter, B)
         st = spec_engine.stats.speculative
         plain_out, spec_out = base.pop("outputs"), spec.pop("outputs")
@@ -347,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                "timeline": [[kind, b, rows, round(sec * 1e3, 3), n]  # kind, bucket, rows, ms, tokens per step
                             for kind, b, rows, sec, n in spec_engine.cost_model.timeline],
                "verify_graphs": spec_engine.vgraphs.captures if spec_engine.vgraphs is not None else 0,
-               "profile_s": profile_s}
+               "profile_s": profile_s, "warm_up_s": warm_s}
         report["runs"].append(run)
         path.write_text(json.dumps(report, indent=1))  # after every batch: a run cut short keeps what it measured
         del spec_engine, drafter, inner
@@ -364,6 +397,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(r['speedup_excluding_drafter']):>15} "
               f"{fmt(r['gpu_time_ratio_plain_over_spec']):>6} {r['mean_tokens_per_verification']:>9.2f} "
               f"{r['lossless_requests']}")
+    for r in report["runs"]:
+        for name in ("plain", "speculative"):
+            st = r[name]["stalls"]
+            if st:
+                print(f"batch {r['batch']} {name}: {len(st)} steps over {1e3 * STALL_S:.0f} ms, "
+                      f"{sum(x['ms'] for x in st):.0f} ms in all ({sum(x['graph_captures'] > 0 for x in st)} "
+                      f"with graph captures, {sum(x['gc_collections'] > 0 for x in st)} with garbage collections)")
     return 0
 
 

@@ -7,8 +7,8 @@
 # $OUT, else /tmp/dsv41-gpu): spec-<dtype>.log and benchmarks/speculative.py's JSON per dtype (DTYPES, default
 # fp32), and with PHASES="1 64" benchmarks/spec_phases.py's breakdown at those batches (the first dtype).
 # BATCHES (default "1 64") and SPEC_ARGS (more arguments, e.g. "--requests-per-slot 4 --tag r4") pass through.
-# The plain engine overlaps its decode steps (the default on CUDA since 2026-12-04); SPEC_ARGS="--spec-overlap"
-# lets the speculative engine overlap the plain steps its cost model chooses too.
+# Both engines overlap their plain decode steps (the default on CUDA: the plain engine since 2026-12-04, the
+# speculative one since 2026-12-07); SPEC_ARGS="--spec-overlap off" (or --plain-overlap off) measures without.
 # The model and its drafter are larger together than what one call carries (scripts/device_tree.sh): the first
 # call of a lease runs with the model parked — this script then stages the drafter in DRAFTER_DIR for the next
 # call and runs the drafter's own GPU tests (the Markov kernel, the drafter's graphs = eager) —, the second with the

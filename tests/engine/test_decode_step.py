@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 import dsv41.kernels.ops as ops_module
 from dsv41.engine.engine import Engine
-from dsv41.engine.graphs import batch_buckets, bucket, entry_bound
+from dsv41.engine.graphs import batch_buckets, bucket, entry_bound, reachable_bounds
 from dsv41.engine.sampling import SamplingParams
 from dsv41.testing.sync import HostSyncError, NoSyncMode, OpCounter
 
@@ -103,6 +103,73 @@ def test_graph_keys_are_batch_buckets_and_power_of_two_entry_bounds():
     with pytest.raises(ValueError):
         bucket(65, batch_buckets(64))
     assert [entry_bound(n, 1024) for n in (0, 5, 1024, 1025, 70000)] == [1024, 1024, 1024, 2048, 131072]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_entry_bounds_a_warm_up_captures_are_every_key_a_step_can_reach(seed):
+    """`reachable_bounds` (what `Engine.capture_decode_graphs` captures at each bucket) against every length
+    one at a time: the keys of sequences of 0 … max_tokens tokens (entries ⌊L / ratio⌋ per source, each bound
+    the power of two ≥ them, at least `minimum`), in order, none missing and none extra."""
+    g = torch.Generator().manual_seed(seed)
+    ratios = {s: int(m) for s, m in zip(range(0, 12, 3), torch.randint(1, 9, (int(torch.randint(1, 4, (1,),
+                                                                                                   generator=g)),),
+                                                                            generator=g))}
+    minimum = int(2 ** torch.randint(0, 5, (1,), generator=g))
+    max_tokens = int(torch.randint(200, 700, (1,), generator=g))  # ≥ 25 entries at ratio 8: past every minimum
+    want = []
+    for n in range(max_tokens + 1):
+        key = {s: entry_bound(n // m, minimum) for s, m in ratios.items()}
+        if not want or key != want[-1]:
+            want.append(key)
+    assert reachable_bounds(ratios, max_tokens, minimum) == want
+    assert len(want) > 1  # the draws cross a power of two
+
+
+def test_reachable_bounds_by_hand():
+    # ratios 4 and 1, at least 8: 40 tokens → 10 and 40 entries; the key changes at 9 tokens (ratio 1's entries
+    # pass 8), at 17 (they pass 16), at 33 (they pass 32) and at 36 (ratio 4's 9 entries pass 8)
+    assert reachable_bounds({2: 4, 5: 1}, 40, 8) == [{2: 8, 5: 8}, {2: 8, 5: 16}, {2: 8, 5: 32}, {2: 8, 5: 64},
+                                                     {2: 16, 5: 64}]
+    # the key the engine's plain batch met on 2026-12-07 (`test_speculative_gpu.py`, graph_min_entries=16): ratios
+    # 2 and 1 at 129 tokens hold 64 and 129 entries — bounds 64 and 256, a key between those of 128 and 130 tokens
+    assert {2: 64, 4: 256} in reachable_bounds({2: 2, 4: 1}, 257, 16)
+    assert reachable_bounds({2: 4}, 0, 1024) == [{2: 1024}]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_every_key_a_decoding_engine_steps_at_is_one_a_warm_up_captures(monkeypatch, speculative):
+    """The engine's own static steps (plain, and the drafter's verifications) against `reachable_bounds`: a batch
+    whose rows finish one by one and pass entry bounds (graph_min_entries=16) steps only at (bucket, key) pairs
+    `Engine.capture_decode_graphs` captures — on the CPU, where the keys are computed but no graph runs. (A
+    chain built on ⌈L / ratio⌉ entries missed the key of 129 tokens here, and the GPU run of 2026-12-07 captured
+    it mid-decode.)"""
+    from tests.engine.test_speculative import FLAT, _run
+
+    from dsv41.engine.speculative import NoisyDrafter
+
+    model = engine_test_model(62)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(62)
+    prompts = [torch.randint(3, V, (int(n),), generator=g).tolist() for n in torch.randint(96, 126, (6,), generator=g)]
+    drafter = NoisyDrafter(V, 3, noise=0.5) if speculative else None
+    engine = Engine(model, max_batch=6, max_seq_len=200, graph_min_entries=16, step_time=FLAT, drafter=drafter,
+                    speculate="always")
+    seen = set()
+    launch = Engine._launch_static
+
+    def spy(self, io, graphs, B, Bb, n_max, n_entries):
+        seen.add((io.T, bucket(B, self.buckets), tuple(sorted((s, entry_bound(n, 16)) for s, n in n_entries.items()))))
+        return launch(self, io, graphs, B, Bb, n_max, n_entries)
+
+    monkeypatch.setattr(Engine, "_launch_static", spy)
+    _run(engine, prompts, [6 * (i + 1) for i in range(6)])
+    ratios = {s: pool.ratio for s, pool in engine.pools.sources.items()}
+    keys = {T: [tuple(sorted(k.items())) for k in reachable_bounds(ratios, engine.max_seq_len + T, 16)]
+            for T in {T for T, _, _ in seen}}
+    assert len({key for _, _, key in seen}) > 1 and len({b for _, b, _ in seen}) > 2  # bounds passed, buckets drained
+    assert {T for T, _, _ in seen} == ({4} if speculative else {1})  # every step verifies (speculate="always")
+    missed = sorted((T, b, key) for T, b, key in seen if key not in keys[T] or b not in engine.buckets)
+    assert not missed, missed
 
 
 def test_the_decode_step_launches_the_same_ops_whatever_the_data(monkeypatch):

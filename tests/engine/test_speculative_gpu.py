@@ -142,3 +142,34 @@ def test_the_verification_graph_replays_the_eager_static_step():
                     assert err < 1e-5, f"{what}, row {b}: {name} rel err {err:.2e}"
                 else:
                     assert torch.equal(x0[b][name], x1[b][name]), f"{what}, row {b}: {name} differs, graph vs eager"
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_warmed_up_engine_captures_no_decode_graph_while_it_decodes(speculative):
+    """`Engine.warm_up` captures every decode graph (`capture_decode_graphs`): afterwards a closed batch whose rows
+    finish one by one (every batch bucket) and whose longest rows pass an entry bound (graph_min_entries=16)
+    captures none — plain steps, verifications and rollbacks — and emits the tokens of an engine that captured
+    each graph when a step first needed it."""
+    model = engine_test_model(62).to("cuda")
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(62)
+    prompts = [torch.randint(3, V, (int(n),), generator=g).tolist() for n in torch.randint(1, 120, (8,), generator=g)]
+    n_out = [8 * (i + 1) for i in range(8)]  # rows finish one by one: 8 → 1 through every bucket
+
+    def engine():
+        drafter = OracleDrafter(model, 4, max_sequences=8, max_seq_len=256) if speculative else None
+        return Engine(model, max_batch=8, max_seq_len=256, graph_min_entries=16, step_time=FLAT, drafter=drafter,
+                      speculate="always")
+
+    def captures(e):
+        return sum(gr.captures for gr in (e.graphs, e.vgraphs) if gr is not None)
+
+    cold = engine()
+    want = _run(cold, prompts, n_out)
+    assert captures(cold) > 1  # the cold engine captured while it decoded: the check below has something to catch
+    warm = engine()
+    warm.warm_up(decode_graphs=False)
+    assert warm.capture_decode_graphs() > 0 and warm.capture_decode_graphs() == 0  # the second call finds all
+    before = captures(warm)
+    assert _run(warm, prompts, n_out) == want
+    assert captures(warm) == before

@@ -223,3 +223,25 @@ def test_gpu_markov_greedy_replays_from_a_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(captured[0], fresh[0]) and torch.equal(captured[1], fresh[1])
     assert not torch.equal(captured[0], eager[0])
+
+
+@pytest.mark.parametrize("B, want", [(1, "triton"), (ops.MARKOV_TRITON_ROWS, "triton"),
+                                     (ops.MARKOV_TRITON_ROWS + 1, "ref"), (64, "ref")])
+def test_auto_runs_the_kernels_for_few_rows_and_the_twin_for_many(monkeypatch, B, want):
+    """`auto` where Triton runs (CUDA, simulated here): the kernels up to MARKOV_TRITON_ROWS rows, the twin above
+    (measured faster at 64 rows on the H100); a forced backend is obeyed at every size."""
+    from dsv41.kernels.ref import markov as ref_markov
+    from dsv41.kernels.triton import markov as triton_markov
+
+    ran = []
+    monkeypatch.setattr(ops, "_use_triton", lambda *tensors: ops._forced() is not False)  # CUDA tensors, no grad
+    monkeypatch.setattr(triton_markov, "markov_greedy", lambda *a: ran.append("triton"))
+    monkeypatch.setattr(ref_markov, "markov_greedy", lambda *a: ran.append("ref"))
+    args = _inputs(B, 2, 16, 4, 8, torch.float32, seed=B)
+    with use_backend("auto"):
+        ops.markov_greedy(*args)
+    with use_backend("triton"):
+        ops.markov_greedy(*args)
+    with use_backend("torch"):
+        ops.markov_greedy(*args)
+    assert ran == [want, "triton", "ref"]

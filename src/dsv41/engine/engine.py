@@ -46,7 +46,7 @@ from torch import Tensor
 
 from dsv41.engine.block_manager import PAGE_ROWS, BlockManager, to_device
 from dsv41.engine.cache import SequenceCache
-from dsv41.engine.graphs import DecodeGraphs, batch_buckets, bucket
+from dsv41.engine.graphs import DecodeGraphs, batch_buckets, bucket, reachable_bounds
 from dsv41.engine.prefill import PrefillJob, encode_prompt_images, encoder_only_supported, static_capture_fits
 from dsv41.engine.prefix import PrefixCache, image_namespace
 from dsv41.engine.runner import Capture, DecodeIO, Runner
@@ -283,9 +283,11 @@ class Engine:
         alone (the comparison). overlap: a decode step
         launches the next one before it reads its own tokens (`_overlapped_step`; default: on CUDA devices, where
         the host's bookkeeping then runs beside the device — 0.34× → 0.50× the graphed dense peer at 64 × 4K on the
-        H200; with a drafter — opt-in, overlap=True — the plain steps its cost model chooses overlap, verification
-        steps never). static_prefill: a prefill run of a plain prompt that goes through all its layers in one
-        piece (every run of an idle step, and beside decoding streams when prefill_layers is None) runs from
+        H200; with a drafter the plain steps its cost model chooses overlap, verification steps never — on the
+        H100 on 2026-12-07, a batch of 64 that went plain stepped in 1.53 ms instead of 2.3, batch 1 drafting kept its
+        1.91×, `results/speculative-2026-12-07-h100-bf16-b1-overlap.json`). static_prefill: a prefill run of a plain
+        prompt that goes through all its layers in one piece (every run of an idle step, and beside decoding
+        streams when prefill_layers is None) runs from
         static steps over power-of-two shapes (`engine/static_prefill.py`), replayed from CUDA graphs when
         cuda_graphs is on — default: on with CUDA graphs (a lone 32K prompt's first token 73 → 40 ms on the H100),
         off elsewhere."""
@@ -364,8 +366,8 @@ class Engine:
                 warm_up(self.buckets)
             self.stats.host_s.clear()  # the profile's steps are not the engine's
         self.batch_prefill = batch_prefill and drafter is None  # a drafter's jobs capture features: run alone
-        # default: on CUDA; with a drafter only when asked, until it has run on a GPU (CPU-tested)
-        self.overlap = (self.device.type == "cuda" and drafter is None) if overlap is None else overlap
+        # default: on CUDA (with a drafter too since 2026-12-07: measured on the H100, see the docstring)
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self._inflight: _InFlight | None = None  # the decode step launched and not yet emitted (overlap)
         # two pinned buffers for the in-flight steps' tokens: step t + 1 copies into one while step t's are read
         self._inflight_host = [torch.zeros(max_batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
@@ -435,7 +437,8 @@ class Engine:
     WARM_UP_PROMPTS = ((1,), (17, 17), (160,))  # prompt lengths, one group at a time (a group arrives at once)
 
     @torch.no_grad()
-    def warm_up(self, groups: tuple[tuple[int, ...], ...] = WARM_UP_PROMPTS, beside: bool = True) -> float:
+    def warm_up(self, groups: tuple[tuple[int, ...], ...] = WARM_UP_PROMPTS, beside: bool = True,
+                decode_graphs: bool = True) -> float:
         """Run throwaway prompts through prefill and two decode steps each, so that every kernel variant a live
         step needs is compiled (Triton) or captured (CUDA graphs) before the first real request — each is seconds
         that a live server would otherwise spend with every stream waiting (decode_load, 2026-12-06: steps of
@@ -446,7 +449,8 @@ class Engine:
         `StaticPrefill`. `beside` (max_batch ≥ 2): then a prompt of prefill_chunk + 17 tokens arrives while
         another request decodes — the loaded path: two chunks (the second reads the first's window ring), layer
         pieces (`prefill_layers`) and odd counts next to a decode batch. The prefix cache is bypassed; the
-        counters in `stats` include the warm-up. Needs an idle engine; returns the seconds it took."""
+        counters in `stats` include the warm-up. `decode_graphs`: then every decode step's CUDA graph is
+        captured too (`capture_decode_graphs`). Needs an idle engine; returns the seconds it took."""
         if self.has_work():
             raise RuntimeError("Engine.warm_up needs an idle engine (no request waiting or running)")
         t0 = time.perf_counter()
@@ -482,7 +486,38 @@ class Engine:
                     self.step()
         finally:
             self.prefix_cache, self.static = prefix_cache, static
+        if decode_graphs:
+            self.capture_decode_graphs()
         return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def capture_decode_graphs(self) -> int:
+        """Capture now every CUDA graph a decode step can replay: the plain step, and with a drafter the
+        verification step and its rollback, at every batch bucket and every entry-bound key a sequence of up to
+        max_seq_len tokens reaches (`graphs.reachable_bounds`). Otherwise each is captured the first time a step
+        needs it — a closed batch's rows finishing one by one, or its longest row's entries passing a power of
+        two — and every stream waits meanwhile: on the H100 on 2026-12-07, 7 of them in a closed batch of 64 took
+        0.83 s of the plain engine's 2.7 s of decoding, 9 took 1.1 s of the speculative one's
+        (`results/speculative-2026-12-07-h100-bf16-b64-closed.json`, "stalls"). Captures run on padding rows
+        only; a no-op without graphs (the CPU). A capture that fails turns the static steps eager from then on,
+        as it would mid-decode (`_launch_static`). Returns the graphs captured."""
+        n = 0
+        ratios = {s: pool.ratio for s, pool in self.pools.sources.items()}
+        try:
+            for graphs in (self.graphs, self.vgraphs):
+                if graphs is None:
+                    continue
+                bounds = reachable_bounds(ratios, self.max_seq_len + graphs.io.T, graphs.min_entries)
+                for Bb in self.buckets:
+                    for n_max in bounds:
+                        n += graphs.ensure(Bb, n_max)
+                    if graphs is self.vgraphs:
+                        n += graphs.ensure_restore(Bb)
+        except RuntimeError as err:
+            log.warning("CUDA-graph capture failed (%s); running the static steps eagerly", err)
+            self.graphs = self.vgraphs = None
+            torch.cuda.synchronize()
+        return n
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:

@@ -44,6 +44,28 @@ def entry_bound(n: int, minimum: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def reachable_bounds(ratios: dict[int, int], max_tokens: int, minimum: int) -> list[dict[int, int]]:
+    """Every entry-bound key a step of sequences of at most `max_tokens` tokens can have: per kv source s (its
+    compression ratio ratios[s]) the power-of-two bound ≥ its entries, at least `minimum` — one dict per distinct
+    key, in order of length. A sequence of L tokens holds ⌊L / ratio⌋ entries of a source (its complete groups;
+    the key of the batch is its longest row's); the key is a step function of L that changes only where some
+    source's entries pass a power of two."""
+    def key(n_tokens: int) -> dict[int, int]:
+        return {s: entry_bound(n_tokens // m, minimum) for s, m in sorted(ratios.items())}
+
+    lengths = {0, max(0, max_tokens)}
+    for m in set(ratios.values()):
+        b = 1
+        while m * (b + 1) <= max_tokens:  # the first length whose entries pass b: m·(b + 1) tokens
+            lengths.add(m * (b + 1))
+            b *= 2
+    out: list[dict[int, int]] = []
+    for n in sorted(lengths):
+        if not out or key(n) != out[-1]:
+            out.append(key(n))
+    return out
+
+
 class DecodeGraphs:
     def __init__(self, runner: Runner, io: DecodeIO, *, min_entries: int = 1024):
         if io.pools.device.type != "cuda":
@@ -69,6 +91,22 @@ class DecodeGraphs:
             graph = self.graphs[key] = self._capture(Bb, n_max)
         graph.replay()
         return self.io.logits[:B]
+
+    def ensure(self, Bb: int, n_max: dict[int, int]) -> bool:
+        """Capture the step of bucket Bb and entry bounds n_max now if it is not yet (`Engine.warm_up`);
+        whether it captured."""
+        key = (Bb, tuple(sorted(n_max.items())))
+        if key in self.graphs:
+            return False
+        self.graphs[key] = self._capture(Bb, n_max)
+        return True
+
+    def ensure_restore(self, Bb: int) -> bool:
+        """The rollback's graph of bucket Bb (`restore`), captured now if it is not yet."""
+        if ("restore", Bb) in self.graphs:
+            return False
+        self.graphs[("restore", Bb)] = self._capture(Bb, None)
+        return True
 
     def restore(self, B: int) -> None:
         """Replay (capturing first if needed) the rollback of the last verification step (`Runner.restore`)

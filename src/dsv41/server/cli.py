@@ -243,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
                                   max_concurrent_tokenize=args.max_concurrent_tokenize)
     engine = scheduler.engine
     if args.warm_up or (args.warm_up is None and engine.device.type == "cuda"):
-        log.info("warm-up: kernels compiled for every prefill piece shape in %.1f s", engine.warm_up())
+        log.info("warm-up: kernels compiled for every prefill piece shape, every decode graph captured in %.1f s",
+                 engine.warm_up())
     if not _is_loopback(args.host):
         log.warning("binding %s: reachable beyond this machine%s%s", args.host,
                     "" if keys else " and WITHOUT an API key",
