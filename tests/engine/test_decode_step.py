@@ -172,6 +172,53 @@ def test_every_key_a_decoding_engine_steps_at_is_one_a_warm_up_captures(monkeypa
     assert not missed, missed
 
 
+class _Graphs:
+    """Stands in for `DecodeGraphs` (CUDA only) in `capture_decode_graphs`: records what it is asked to capture,
+    and raises on its capture number `fail_at` (1-based) as an out-of-memory capture would."""
+
+    def __init__(self, io, fail_at: int | None = None):
+        self.io, self.min_entries, self.fail_at, self.asked = io, 16, fail_at, []
+
+    def _capture(self, what):
+        if self.fail_at is not None and len(self.asked) + 1 == self.fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        self.asked.append(what)
+        return True
+
+    def ensure(self, Bb, n_max):
+        return self._capture((Bb, tuple(sorted(n_max.items()))))
+
+    def ensure_restore(self, Bb):
+        return self._capture(("restore", Bb))
+
+
+def test_capture_decode_graphs_asks_for_every_bucket_and_key_and_survives_a_failed_capture(caplog):
+    """`Engine.capture_decode_graphs` with stand-in graphs: the plain step at every (key, bucket) of
+    `reachable_bounds` (T = 1), the verification at every one of its own (T = k + 1) and the rollback at every
+    bucket; a capture that fails ends the warm-up's captures with a warning and keeps the graphs (the rest are
+    captured when first needed)."""
+    from dsv41.engine.speculative import NoisyDrafter
+
+    model = engine_test_model(63)
+    V = model.config.vocab_size
+    engine = Engine(model, max_batch=4, max_seq_len=100, graph_min_entries=16, drafter=NoisyDrafter(V, 3),
+                    step_time=lambda n: 1e-3)
+    ratios = {s: pool.ratio for s, pool in engine.pools.sources.items()}
+    engine.graphs, engine.vgraphs = _Graphs(engine.io), _Graphs(engine.vio)
+    n = engine.capture_decode_graphs()
+    keys = {T: [tuple(sorted(k.items())) for k in reachable_bounds(ratios, 100 + T, 16)] for T in (1, 4)}
+    assert len(keys[4]) > 1
+    assert sorted(engine.graphs.asked) == sorted((Bb, k) for Bb in (1, 2, 4) for k in keys[1])
+    assert sorted(engine.vgraphs.asked, key=str) == sorted([(Bb, k) for Bb in (1, 2, 4) for k in keys[4]]
+                                                           + [("restore", Bb) for Bb in (1, 2, 4)], key=str)
+    assert n == len(engine.graphs.asked) + len(engine.vgraphs.asked)
+    plain, verify = _Graphs(engine.io), _Graphs(engine.vio, fail_at=2)
+    engine.graphs, engine.vgraphs = plain, verify
+    assert engine.capture_decode_graphs() == len(plain.asked) + 1
+    assert engine.graphs is plain and engine.vgraphs is verify and len(verify.asked) == 1
+    assert "capture failed" in caplog.text
+
+
 def test_the_decode_step_launches_the_same_ops_whatever_the_data(monkeypatch):
     """What makes one CUDA graph per (batch bucket, entry bound) valid: the static decode step's op sequence
     depends on those shapes only — not on the tokens, the positions, how many entries each row has or how many

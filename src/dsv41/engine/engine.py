@@ -499,8 +499,9 @@ class Engine:
         two — and every stream waits meanwhile: on the H100 on 2026-12-07, 7 of them in a closed batch of 64 took
         0.83 s of the plain engine's 2.7 s of decoding, 9 took 1.1 s of the speculative one's
         (`results/speculative-2026-12-07-h100-bf16-b64-closed.json`, "stalls"). Captures run on padding rows
-        only; a no-op without graphs (the CPU). A capture that fails turns the static steps eager from then on,
-        as it would mid-decode (`_launch_static`). Returns the graphs captured."""
+        only, the smallest shapes first; a no-op without graphs (the CPU). A capture that fails (out of memory at
+        the largest bounds, say) ends the warm-up's captures, not the graphs: the rest are captured when a step
+        first needs them, as before. Returns the graphs captured."""
         n = 0
         ratios = {s: pool.ratio for s, pool in self.pools.sources.items()}
         try:
@@ -508,15 +509,18 @@ class Engine:
                 if graphs is None:
                     continue
                 bounds = reachable_bounds(ratios, self.max_seq_len + graphs.io.T, graphs.min_entries)
-                for Bb in self.buckets:
-                    for n_max in bounds:
+                for n_max in bounds:
+                    for Bb in self.buckets:
                         n += graphs.ensure(Bb, n_max)
-                    if graphs is self.vgraphs:
+                if graphs is self.vgraphs:
+                    for Bb in self.buckets:
                         n += graphs.ensure_restore(Bb)
         except RuntimeError as err:
-            log.warning("CUDA-graph capture failed (%s); running the static steps eagerly", err)
-            self.graphs = self.vgraphs = None
-            torch.cuda.synchronize()
+            log.warning("warm-up: a decode graph's capture failed (%s); the %d captured stay, the rest are captured "
+                        "when first needed", err, n)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
         return n
 
     @torch.no_grad()
