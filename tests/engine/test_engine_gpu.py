@@ -184,8 +184,12 @@ def test_overlapped_decode_with_graphs_emits_the_waiting_engines_tokens():
 
 
 def test_a_cuda_engine_overlaps_by_default():
+    from dsv41.engine.speculative import NoisyDrafter
+
     model = engine_test_model(54).to("cuda")
     assert Engine(model, max_batch=2).overlap and not Engine(model, max_batch=2, overlap=False).overlap
+    drafter = NoisyDrafter(model.config.vocab_size, 2)  # with a drafter too (its plain steps; 2026-12-07)
+    assert Engine(model, max_batch=2, drafter=drafter, step_time=lambda n: 1e-3).overlap
 
 
 def test_overlapped_logprob_rows_on_cuda_equal_the_waiting_engines():

@@ -180,8 +180,8 @@ def test_a_row_ending_in_flight_is_finished_with_the_plain_engines_cache_state(m
 
 
 def test_overlap_is_on_by_default_only_on_cuda():
-    """Default: on CUDA devices without a drafter (`test_engine_gpu.py` checks that side); on the CPU nothing runs
-    beside the host, so the engine waits unless asked; a speculative engine overlaps only when asked."""
+    """Default: on CUDA devices, with a drafter too (`test_engine_gpu.py` checks that side); on the CPU nothing
+    runs beside the host, so the engine waits unless asked — with or without a drafter."""
     from tests.engine.test_speculative import FLAT
 
     from dsv41.engine.speculative import NoisyDrafter
@@ -190,7 +190,7 @@ def test_overlap_is_on_by_default_only_on_cuda():
     assert not Engine(model, max_batch=2).overlap
     assert Engine(model, max_batch=2, overlap=True).overlap
     drafter = NoisyDrafter(model.config.vocab_size, 2)
-    assert not Engine(model, max_batch=2, drafter=drafter, step_time=FLAT).overlap  # with a drafter: when asked
+    assert not Engine(model, max_batch=2, drafter=drafter, step_time=FLAT).overlap  # the CPU: when asked
     assert Engine(model, max_batch=2, drafter=drafter, step_time=FLAT, overlap=True).overlap
 
 
