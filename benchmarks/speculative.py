@@ -271,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-accept", action="store_true",
                     help="the speculative engine reads each verification before its acceptance, rollback and hand-over "
                          "(the comparison for the device's greedy acceptance, Engine._accept_on_device)")
+    ap.add_argument("--spec-beside-prefill", type=int, default=None, metavar="ROWS",
+                    help="the speculative engine decodes plainly in a step that also prefills when more than ROWS "
+                         "rows decode (Engine(spec_beside_prefill=); default: no limit)")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="move every object alive after the model's load out of Python's garbage collection "
                          "(gc.freeze: fewer and shorter collections; the comparison for the stalls it causes)")
@@ -353,8 +356,10 @@ def main(argv: list[str] | None = None) -> int:
             drafter.pure_propose = False
         t0 = time.perf_counter()
         spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate,
-                             prefill_layers=None, overlap={"auto": None, "on": True, "off": False}[args.spec_overlap])
+                             prefill_layers=None, overlap={"auto": None, "on": True, "off": False}[args.spec_overlap],
+                             spec_beside_prefill=args.spec_beside_prefill)
         report["spec_overlap"] = spec_engine.overlap
+        report["spec_beside_prefill"] = args.spec_beside_prefill
         report["prelaunch"] = drafter.pure_propose
         report["device_accept"] = hasattr(drafter, "observe_many_device")
         profile_s = time.perf_counter() - t0

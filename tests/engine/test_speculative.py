@@ -612,3 +612,47 @@ def test_a_drafter_engine_admits_prompts_beside_decoding_rows_as_a_plain_engine_
             assert steps < 100, [len(s.output) for s in seqs]
         steps_until_all_decode[drafter is not None] = steps
     assert steps_until_all_decode[True] <= steps_until_all_decode[False], steps_until_all_decode
+
+
+def test_spec_beside_prefill_decodes_plainly_in_the_steps_that_prefill_above_its_rows():
+    """`Engine(spec_beside_prefill=2)`: a step that carries prefill pieces and more than 2 decoding rows decodes
+    plainly (no verification forward), decode-only steps still verify, and the greedy tokens equal the plain
+    engine's. Four requests decode, then three arrive (prefilled in chunks beside them)."""
+    model = engine_test_model(89)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(89)
+    prompts = [torch.randint(3, V, (int(n),), generator=g).tolist() for n in (5, 9, 14, 20, 70, 90, 75)]
+    n_out = [40] * 7
+
+    def run(engine, record=None):
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts[:4], n_out)]
+        while not all(s.output for s in seqs):
+            engine.step()
+        seqs += [engine.add_request(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts[4:], n_out[4:])]
+        while engine.has_work():
+            if record is None:
+                engine.step()
+                continue
+            st, n_batches = engine.stats.speculative, len(record["batches"])
+            forwards, plain = st.forwards, st.plain_steps
+            engine.step()
+            if len(record["batches"]) > n_batches:  # a scheduled step (not a chained one)
+                batch = record["batches"][-1]
+                if batch.decode:
+                    record["steps"].append((bool(batch.prefill), len(batch.decode), st.forwards - forwards,
+                                            st.plain_steps - plain))
+        return [s.output for s in seqs]
+
+    want = run(Engine(model, max_batch=8, max_seq_len=256, prefill_chunk=16, prefill_layers=None))
+    script = ScriptedDrafter(3, {tuple(p): o for p, o in zip(prompts, want)})
+    engine = Engine(model, max_batch=8, max_seq_len=256, prefill_chunk=16, prefill_layers=None, step_time=FLAT,
+                    drafter=NoisyDrafter(V, 3, base=script, noise=0.3), speculate="always", spec_beside_prefill=2)
+    record = {"batches": [], "steps": []}
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: record["batches"].append(schedule()) or record["batches"][-1]
+    assert run(engine, record) == want
+    mixed = [s for s in record["steps"] if s[0] and s[1] > 2]
+    assert mixed and all(verified == 0 and plain == 1 for _, _, verified, plain in mixed), record["steps"]
+    assert any(verified == 1 for prefill, _, verified, _ in record["steps"] if not prefill)
+    with pytest.raises(ValueError, match="spec_beside_prefill"):
+        Engine(model, max_batch=2, step_time=FLAT, drafter=NoisyDrafter(V, 3), spec_beside_prefill=-1)

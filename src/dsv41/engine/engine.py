@@ -262,7 +262,8 @@ class Engine:
                  max_tokens: int | None = None, cuda_graphs: bool | None = None, graph_min_entries: int = 1024,
                  page_rows: int = PAGE_ROWS, drafter: Drafter | None = None, step_time: StepTimeCurve | None = None,
                  speculate: str = "auto", batch_prefill: bool = True, overlap: bool | None = None,
-                 idle_prefill_chunk: int | None = None, static_prefill: bool | None = None):
+                 idle_prefill_chunk: int | None = None, static_prefill: bool | None = None,
+                 spec_beside_prefill: int | None = None):
         """max_seq_len bounds one sequence (default: the config's); max_tokens sizes the global-KV
         pools for all sequences together (default: min(max_batch·max_seq_len, 2^20), at least
         max_seq_len); prefill_chunk = prompt tokens per prefill run while sequences decode (default: 128 where
@@ -276,9 +277,14 @@ class Engine:
         step_time: its step-time curve (default: profiled here on the static steps, `profile_step_time`);
         speculate: "auto" — a step decodes plainly when the measured speculative steps at this batch size
         emit fewer tokens per second than plain ones (`CostModel`; the drafter catches up on those
-        tokens later) — or "always". idle_prefill_chunk: the chunk (and token budget) of a step without decode
-        rows (`Scheduler`: a lone prompt prefills in few big chunks; default on CUDA max(prefill_chunk, 16384) —
-        a chunk's host cost is its launches, not its tokens — off elsewhere; 0: off). batch_prefill: prefill
+        tokens later) — or "always". spec_beside_prefill (with a drafter): the most decoding rows a step that
+        also prefills verifies with; above it such a step decodes plainly, so the prompts it carries wait less
+        (None, the default: no limit). An experiment for issue 19's closed batch of 64, whose speculative engine
+        prefilled its last prompts 0.2 s later than the plain one (H100, 2026-12-07); not yet measured on a GPU
+        (`benchmarks/speculative.py --spec-beside-prefill`). idle_prefill_chunk: the chunk (and token budget) of a
+        step without decode rows (`Scheduler`: a lone prompt prefills in few big chunks; default on CUDA
+        max(prefill_chunk, 16384) — a chunk's host cost is its launches, not its tokens — off elsewhere; 0: off).
+        batch_prefill: prefill
         pieces with one key share a forward (and the layer budget; not with a drafter); False runs every piece
         alone (the comparison). overlap: a decode step
         launches the next one before it reads its own tokens (`_overlapped_step`; default: on CUDA devices, where
@@ -295,6 +301,8 @@ class Engine:
             raise ValueError(f"speculate must be 'auto' or 'always', got {speculate!r}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if spec_beside_prefill is not None and spec_beside_prefill < 0:
+            raise ValueError(f"spec_beside_prefill must be >= 0 or None, got {spec_beside_prefill}")
         if isinstance(prefill_layers, str) and prefill_layers != "auto":
             raise ValueError(f"prefill_layers must be a count, None or 'auto', got {prefill_layers!r}")
         self.model = model.eval()
@@ -352,6 +360,7 @@ class Engine:
         self.stats = EngineStats(speculative=SpeculativeStats(k=drafter.k) if drafter is not None else None)
         self.step_time = step_time
         self.speculate = speculate
+        self.spec_beside_prefill = spec_beside_prefill
         self.cost_model = CostModel(lambda n: self.step_time(n))  # speculate="auto"; the curve is profiled below
         self._drafter_seen: dict[int, int] = {}  # sequence id → tokens the drafter has observed
         self.buckets = batch_buckets(max_batch)  # the padded batch sizes of the static steps (their graphs)
@@ -551,7 +560,11 @@ class Engine:
             t0 = time.perf_counter()
             overlapped = self.overlap and not batch.prefill and self._overlappable(batch.decode)
             if self.drafter is not None and not (overlapped and self._decides_plain(batch.decode)):
-                outputs.extend(self._speculate(batch.decode))
+                if (batch.prefill and self.spec_beside_prefill is not None
+                        and len(batch.decode) > self.spec_beside_prefill):
+                    outputs.extend(self._plain_step(batch.decode))  # the prompts in this step wait on it
+                else:
+                    outputs.extend(self._speculate(batch.decode))
             else:
                 if overlapped:  # with a drafter: the cost model chose plain steps (`_decides_plain`)
                     self._inflight = self._launch(batch.decode)
