@@ -163,6 +163,7 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
             steady = (sum(len(s.output) for s in seqs) - tokens0, time.perf_counter() - t0)
     sync()
     t_end = time.perf_counter()
+    window_steps = len(engine.cost_model.timeline)  # the cost model's steps of the decode window (reset at its start)
     elapsed = t_end - t0
     tokens = sum(len(s.output) for s in seqs) - tokens0
     everything = sum(len(s.output) for s in seqs)
@@ -180,7 +181,7 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
             "closed_tokens_per_s": everything / (t_end - t_submit),
             "steady_tokens": steady[0] if steady else None, "steady_s": steady[1] if steady else None,
             "steady_tokens_per_s": steady[0] / steady[1] if steady and steady[1] else None,
-            "peak_running_rows": peak,
+            "peak_running_rows": peak, "window_steps": window_steps,
             "stalls": stalls,  # steps of the decode window slower than STALL_S, with what ran in them
             "prefilled_s": prefilled_s,  # submit → the first `slots` prompts all prefilled (decode steps beside)
             # over the whole closed batch: runs, pieces, forwards and decode steps, graphs captured meanwhile
@@ -382,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
                "plain_steps": st.plain_steps, "verification_forwards": st.forwards, "prelaunched": st.prelaunched,
                "chained": st.chained, "chain_cancelled": st.chain_cancelled,
                "cost_model": spec_engine.cost_model.summary(),
-               "timeline": [[kind, b, rows, round(sec * 1e3, 3), n]  # kind, bucket, rows, ms, tokens per step
-                            for kind, b, rows, sec, n in spec_engine.cost_model.timeline],
+               # kind, bucket, rows, ms, tokens per step of the decode window (not the profiled steps after it)
+               "timeline": [[kind, b, rows, round(sec * 1e3, 3), n] for kind, b, rows, sec, n
+                            in list(spec_engine.cost_model.timeline)[:spec["window_steps"]]],
                "verify_graphs": spec_engine.vgraphs.captures if spec_engine.vgraphs is not None else 0,
                "profile_s": profile_s, "warm_up_s": warm_s}
         report["runs"].append(run)
