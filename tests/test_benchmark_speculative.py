@@ -1,0 +1,37 @@
+"""benchmarks/speculative.py on the CPU (`tiny`, random weights, the oracle drafter): one run writes its JSON with
+both engines warmed up, their decode windows, stalls and the cost model's timeline; its prompts of held-out text
+are distinct windows while there are enough. (A broken benchmark otherwise shows up on the GPU box,
+where device time is scarce.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import speculative
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "sample"
+
+
+def test_a_cpu_run_writes_both_engines_windows(tmp_path):
+    rc = speculative.main(["--device", "cpu", "--preset", "tiny", "--batches", "2", "--prompt-len", "8",
+                           "--new-tokens", "4", "--out", str(tmp_path), "--tag", "t", "--spec-beside-prefill", "1"])
+    assert rc == 0
+    (path,) = tmp_path.glob("speculative-*-t.json")
+    report = json.loads(path.read_text())
+    assert report["spec_beside_prefill"] == 1 and report["spec_overlap"] is False  # the CPU: no overlap
+    (run,) = report["runs"]
+    assert run["batch"] == 2 and run["lossless_requests"] == "2/2"  # the oracle drafter is the model: greedy equal
+    assert set(run["warm_up_s"]) == {"plain", "speculative"} and all(s > 0 for s in run["warm_up_s"].values())
+    for name in ("plain", "speculative"):
+        assert run[name]["closed_tokens"] == 2 * 4 and isinstance(run[name]["stalls"], list)
+    assert 0 < len(run["timeline"]) == run["speculative"]["window_steps"]  # (the CPU profiles no steps after it)
+    assert run["mean_tokens_per_verification"] > 1  # drafts were accepted
+
+
+def test_held_out_prompts_are_distinct_windows_while_there_are_enough():
+    prompts = speculative.text_prompts(DATA, 512, 64)
+    assert len(prompts) == 64 and all(len(p) == 512 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 64
+    more = speculative.text_prompts(DATA, 512, 200)  # more than the corpus has: cycled
+    assert len(more) == 200 and len({tuple(p) for p in more}) < 200
