@@ -173,23 +173,21 @@ def test_every_key_a_decoding_engine_steps_at_is_one_a_warm_up_captures(monkeypa
 
 
 class _Graphs:
-    """Stands in for `DecodeGraphs` (CUDA only) in `capture_decode_graphs`: records what it is asked to capture,
-    and raises on its capture number `fail_at` (1-based) as an out-of-memory capture would."""
+    """Stands in for `DecodeGraphs` (CUDA only) in `capture_decode_graphs`: records what it is asked to capture
+    (its keys: (bucket, sorted bounds), or ("restore", bucket)) and counts captures, and raises on its capture
+    number `fail_at` (1-based) as an out-of-memory capture would."""
 
     def __init__(self, io, fail_at: int | None = None):
-        self.io, self.min_entries, self.fail_at, self.asked = io, 16, fail_at, []
-
-    def _capture(self, what):
-        if self.fail_at is not None and len(self.asked) + 1 == self.fail_at:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        self.asked.append(what)
-        return True
+        self.io, self.min_entries, self.fail_at, self.asked, self.captures = io, 16, fail_at, [], 0
 
     def ensure(self, Bb, n_max):
-        return self._capture((Bb, tuple(sorted(n_max.items()))))
-
-    def ensure_restore(self, Bb):
-        return self._capture(("restore", Bb))
+        key = ("restore", Bb) if n_max is None else (Bb, tuple(sorted(n_max.items())))
+        if key not in self.asked:
+            if self.fail_at is not None and len(self.asked) + 1 == self.fail_at:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            self.asked.append(key)
+            self.captures += 1
+        return key
 
 
 def test_capture_decode_graphs_asks_for_every_bucket_and_key_and_survives_a_failed_capture(caplog):
@@ -212,11 +210,22 @@ def test_capture_decode_graphs_asks_for_every_bucket_and_key_and_survives_a_fail
     assert sorted(engine.vgraphs.asked, key=str) == sorted([(Bb, k) for Bb in (1, 2, 4) for k in keys[4]]
                                                            + [("restore", Bb) for Bb in (1, 2, 4)], key=str)
     assert n == len(engine.graphs.asked) + len(engine.vgraphs.asked)
+    assert engine.capture_decode_graphs() == 0  # all there: nothing captured again
     plain, verify = _Graphs(engine.io), _Graphs(engine.vio, fail_at=2)
     engine.graphs, engine.vgraphs = plain, verify
     assert engine.capture_decode_graphs() == len(plain.asked) + 1
     assert engine.graphs is plain and engine.vgraphs is verify and len(verify.asked) == 1
     assert "capture failed" in caplog.text
+
+
+@pytest.mark.parametrize("decode_graphs", [True, False])
+def test_warm_up_captures_the_decode_graphs_unless_told_not_to(monkeypatch, decode_graphs):
+    engine = Engine(engine_test_model(64), max_batch=2, max_seq_len=64)
+    calls = []
+    monkeypatch.setattr(engine, "capture_decode_graphs", lambda: calls.append(1) or 0)
+    engine.warm_up(groups=((3,),), beside=False, decode_graphs=decode_graphs)
+    assert calls == ([1] if decode_graphs else [])
+    assert not engine.has_work()
 
 
 def test_the_decode_step_launches_the_same_ops_whatever_the_data(monkeypatch):

@@ -511,26 +511,22 @@ class Engine:
         only, the smallest shapes first; a no-op without graphs (the CPU). A capture that fails (out of memory at
         the largest bounds, say) ends the warm-up's captures, not the graphs: the rest are captured when a step
         first needs them, as before. Returns the graphs captured."""
-        n = 0
+        every = [g for g in (self.graphs, self.vgraphs) if g is not None]
+        before = sum(g.captures for g in every)
         ratios = {s: pool.ratio for s, pool in self.pools.sources.items()}
         try:
-            for graphs in (self.graphs, self.vgraphs):
-                if graphs is None:
-                    continue
-                bounds = reachable_bounds(ratios, self.max_seq_len + graphs.io.T, graphs.min_entries)
-                for n_max in bounds:
+            for graphs in every:
+                keys = reachable_bounds(ratios, self.max_seq_len + graphs.io.T, graphs.min_entries)
+                for n_max in keys + ([None] if graphs is self.vgraphs else []):  # None: the rollback's graph
                     for Bb in self.buckets:
-                        n += graphs.ensure(Bb, n_max)
-                if graphs is self.vgraphs:
-                    for Bb in self.buckets:
-                        n += graphs.ensure_restore(Bb)
+                        graphs.ensure(Bb, n_max)
         except RuntimeError as err:
             log.warning("warm-up: a decode graph's capture failed (%s); the %d captured stay, the rest are captured "
-                        "when first needed", err, n)
+                        "when first needed", err, sum(g.captures for g in every) - before)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
-        return n
+        return sum(g.captures for g in every) - before
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:

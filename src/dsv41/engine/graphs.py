@@ -84,38 +84,22 @@ class DecodeGraphs:
     def run(self, B: int, n_max: dict[int, int]) -> Tensor:
         """Replay (capturing first if needed) the step for the padded shape; io.logits[:B].
         The caller has padded rows [B, bucket) and sent the inputs."""
-        Bb = bucket(B, self.buckets)
-        key = (Bb, tuple(sorted(n_max.items())))
-        graph = self.graphs.get(key)
-        if graph is None:
-            graph = self.graphs[key] = self._capture(Bb, n_max)
-        graph.replay()
+        self.ensure(bucket(B, self.buckets), n_max).replay()
         return self.io.logits[:B]
-
-    def ensure(self, Bb: int, n_max: dict[int, int]) -> bool:
-        """Capture the step of bucket Bb and entry bounds n_max now if it is not yet (`Engine.warm_up`);
-        whether it captured."""
-        key = (Bb, tuple(sorted(n_max.items())))
-        if key in self.graphs:
-            return False
-        self.graphs[key] = self._capture(Bb, n_max)
-        return True
-
-    def ensure_restore(self, Bb: int) -> bool:
-        """The rollback's graph of bucket Bb (`restore`), captured now if it is not yet."""
-        if ("restore", Bb) in self.graphs:
-            return False
-        self.graphs[("restore", Bb)] = self._capture(Bb, None)
-        return True
 
     def restore(self, B: int) -> None:
         """Replay (capturing first if needed) the rollback of the last verification step (`Runner.restore`)
         for the padded batch of B rows; the caller has sent the keep counts (`DecodeIO.send_keep`)."""
-        Bb = bucket(B, self.buckets)
-        graph = self.graphs.get(("restore", Bb))
+        self.ensure(bucket(B, self.buckets), None).replay()
+
+    def ensure(self, Bb: int, n_max: dict[int, int] | None) -> torch.cuda.CUDAGraph:
+        """The graph of bucket Bb and entry bounds n_max (None: the rollback's), captured now if it was not yet
+        (as `dspark_drafter.StepGraphs.ensure`; `Engine.capture_decode_graphs` calls it ahead of the steps)."""
+        key = ("restore", Bb) if n_max is None else (Bb, tuple(sorted(n_max.items())))
+        graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[("restore", Bb)] = self._capture(Bb, None)
-        graph.replay()
+            graph = self.graphs[key] = self._capture(Bb, n_max)
+        return graph
 
     def _capture(self, Bb: int, n_max: dict[int, int] | None) -> torch.cuda.CUDAGraph:
         """The step (n_max None: the rollback) of Bb rows, captured on all-padding inputs."""
