@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import dated_path  # noqa: E402
 
-FAMILIES = ("attention", "indexer", "mhc", "mhc_train", "cache_write")
+FAMILIES = ("attention", "indexer", "mhc", "mhc_train", "cache_write", "markov")
 
 
 def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 300, graph: bool = True) -> float:
