@@ -290,10 +290,11 @@ class Engine:
         launches the next one before it reads its own tokens (`_overlapped_step`; default: on CUDA devices, where
         the host's bookkeeping then runs beside the device — 0.34× → 0.50× the graphed dense peer at 64 × 4K on the
         H200; with a drafter the plain steps its cost model chooses overlap, verification steps never — on the
-        H100 on 2026-12-07, a batch of 64 that went plain stepped in 1.53 ms instead of 2.3, batch 1 drafting kept its
-        1.91×, `results/speculative-2026-12-07-h100-bf16-b1-overlap.json`). static_prefill: a prefill run of a plain
-        prompt that goes through all its layers in one piece (every run of an idle step, and beside decoding
-        streams when prefill_layers is None) runs from
+        H100 on 2026-12-07, in one call, a batch of 64 that went plain stepped in 1.53 ms instead of 2.3 and
+        batch 1 drafting kept its 1.91×: `results/speculative-2026-12-07-h100-bf16-{b64-long-overlap,b64-long,
+        b1-overlap}.json`).
+        static_prefill: a prefill run of a plain prompt that goes through all its layers in one piece (every run of
+        an idle step, and beside decoding streams when prefill_layers is None) runs from
         static steps over power-of-two shapes (`engine/static_prefill.py`), replayed from CUDA graphs when
         cuda_graphs is on — default: on with CUDA graphs (a lone 32K prompt's first token 73 → 40 ms on the H100),
         off elsewhere."""
