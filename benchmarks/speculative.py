@@ -79,6 +79,7 @@ class TimedDrafter:
         return self._timed(self.drafter.propose, seq_ids, last_tokens)
 
 
+WARM_UP_TOKENS = 32  # tokens per request of the untimed warm-up batch
 STALL_S = 0.02  # a decode-window step slower than this is listed with what ran in it (`decode_run`'s "stalls")
 
 
@@ -120,15 +121,30 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
     from dsv41.engine.sampling import SamplingParams
 
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    steps_log: list[list] | None = None  # the timed run's steps (`logged_step`)
+
+    def logged_step():
+        """One engine step; in the timed run its wall time and what ran in it go to `steps_log`."""
+        if steps_log is None:
+            return engine.step()
+        st = engine.stats
+        forwards = lambda: st.speculative.forwards if st.speculative is not None else 0  # noqa: E731
+        before = (st.prefill_pieces, st.decode_tokens, forwards(), len(engine.running))
+        t = time.perf_counter()
+        engine.step()
+        steps_log.append([round(1e3 * (time.perf_counter() - t), 3), before[3], st.prefill_pieces - before[0],
+                          st.decode_tokens - before[1], forwards() - before[2]])
 
     def start(batch, max_tokens=new_tokens):
         seqs = [engine.add_request(p, SamplingParams(max_tokens=max_tokens)) for p in batch]
         while any(s.prefilling or s.next_token is None for s in seqs[:slots] if not s.finished) and engine.has_work():
-            engine.step()  # every prefill of the first batch done: the decode phase starts
+            logged_step()  # every prefill of the first batch done: the decode phase starts
         sync()
         return seqs
 
-    start(prompts[:slots], max_tokens=8)  # warm-up: kernels compiled, the batch's decode graphs captured
+    # warm-up: kernels compiled, the batch's decode graphs captured, and a cost model that has seen the batch decode
+    # both ways (its first steps measure drafting; WARM_UP_TOKENS leave room for plain steps) — as a server has
+    start(prompts[:slots], max_tokens=WARM_UP_TOKENS)
     while engine.has_work():
         engine.step()
     counted = ("static_prefill_runs", "prefill_pieces", "prefill_forwards", "decode_steps")
@@ -137,11 +153,12 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
     captures = lambda: sum(getattr(g, "captures", 0) for g in (engine.static, engine.graphs, engine.vgraphs, inner)  # noqa: E731
                            if g is not None)
     captures0 = captures()
+    steps_log = []
     t_submit = time.perf_counter()
     seqs = start(prompts)
     prefilled_s = time.perf_counter() - t_submit  # every prompt of the first `slots` in (the whole closed batch)
-    if drafter is not None:  # steps that ran prefill pieces too would make the cost model's steps look slow
-        engine.reset_cost_model()
+    ramp_steps = len(steps_log)
+    engine.cost_model.timeline.clear()  # the decode window's steps from here (the decisions keep what they measured)
     drafter_s0 = drafter.seconds if drafter is not None else 0.0
     tokens0, t0 = sum(len(s.output) for s in seqs), time.perf_counter()
     steady = None  # (tokens, seconds) while every slot was busy
@@ -151,7 +168,7 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
     step = 0
     while engine.has_work():
         n_captures, n_gc, t_step = captures(), gc_collections(), time.perf_counter()
-        engine.step()
+        logged_step()
         dt = time.perf_counter() - t_step
         if dt > STALL_S:
             stalls.append({"step": step, "ms": round(1e3 * dt, 3), "rows": len(engine.running),
@@ -163,7 +180,7 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
             steady = (sum(len(s.output) for s in seqs) - tokens0, time.perf_counter() - t0)
     sync()
     t_end = time.perf_counter()
-    window_steps = len(engine.cost_model.timeline)  # the cost model's steps of the decode window (reset at its start)
+    window_steps = len(engine.cost_model.timeline)  # the cost model's steps of the decode window
     elapsed = t_end - t0
     tokens = sum(len(s.output) for s in seqs) - tokens0
     everything = sum(len(s.output) for s in seqs)
@@ -183,6 +200,9 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
             "steady_tokens_per_s": steady[0] / steady[1] if steady and steady[1] else None,
             "peak_running_rows": peak, "window_steps": window_steps,
             "stalls": stalls,  # steps of the decode window slower than STALL_S, with what ran in them
+            # every step from submitting on: ms, rows before it, prefill pieces, tokens decoded, verification forwards
+            # (the first `ramp_steps` until the closed batch's prompts are all prefilled)
+            "steps": steps_log, "ramp_steps": ramp_steps,
             "prefilled_s": prefilled_s,  # submit → the first `slots` prompts all prefilled (decode steps beside)
             # over the whole closed batch: runs, pieces, forwards and decode steps, graphs captured meanwhile
             "counts": {name: getattr(engine.stats, name) - before[name] for name in counted}
@@ -275,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-beside-prefill", type=int, default=None, metavar="ROWS",
                     help="the speculative engine decodes plainly in a step that also prefills when more than ROWS "
                          "rows decode (Engine(spec_beside_prefill=); default: no limit)")
+    ap.add_argument("--no-projection", action="store_true",
+                    help="the speculative engine decides at its decode rows' batch while prompts prefill or wait, "
+                         "not at the batch they make (Engine.project_batch = False: the comparison)")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="move every object alive after the model's load out of Python's garbage collection "
                          "(gc.freeze: fewer and shorter collections; the comparison for the stalls it causes)")
@@ -361,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                              spec_beside_prefill=args.spec_beside_prefill)
         report["spec_overlap"] = spec_engine.overlap
         report["spec_beside_prefill"] = args.spec_beside_prefill
+        spec_engine.project_batch = not args.no_projection
+        report["project_batch"] = spec_engine.project_batch
         report["prelaunch"] = drafter.pure_propose
         report["device_accept"] = hasattr(drafter, "observe_many_device")
         profile_s = time.perf_counter() - t0

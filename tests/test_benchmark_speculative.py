@@ -15,7 +15,8 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "sample"
 
 def test_a_cpu_run_writes_both_engines_windows(tmp_path):
     rc = speculative.main(["--device", "cpu", "--preset", "tiny", "--batches", "2", "--prompt-len", "8",
-                           "--new-tokens", "4", "--out", str(tmp_path), "--tag", "t", "--spec-beside-prefill", "1"])
+                           "--new-tokens", "4", "--out", str(tmp_path), "--tag", "t", "--spec-beside-prefill", "1",
+                           "--speculate", "always"])  # (auto decides by CPU timings: noise)
     assert rc == 0
     (path,) = tmp_path.glob("speculative-*-t.json")
     report = json.loads(path.read_text())
@@ -23,8 +24,15 @@ def test_a_cpu_run_writes_both_engines_windows(tmp_path):
     (run,) = report["runs"]
     assert run["batch"] == 2 and run["lossless_requests"] == "2/2"  # the oracle drafter is the model: greedy equal
     assert set(run["warm_up_s"]) == {"plain", "speculative"} and all(s > 0 for s in run["warm_up_s"].values())
+    assert report["project_batch"] is True
     for name in ("plain", "speculative"):
-        assert run[name]["closed_tokens"] == 2 * 4 and isinstance(run[name]["stalls"], list)
+        r = run[name]
+        assert r["closed_tokens"] == 2 * 4 and isinstance(r["stalls"], list)
+        # the step log covers the timed run: every decoded token and prefill piece, the ramp first
+        assert sum(step[3] for step in r["steps"]) == r["closed_tokens"] - 2  # (each prompt's first: its prefill)
+        assert sum(step[2] for step in r["steps"]) == r["counts"]["prefill_pieces"]
+        assert 0 < r["ramp_steps"] < len(r["steps"]) and all(step[0] > 0 for step in r["steps"])
+    assert sum(step[4] for step in run["speculative"]["steps"]) > 0 == sum(step[4] for step in run["plain"]["steps"])
     assert 0 < len(run["timeline"]) == run["speculative"]["window_steps"]  # (the CPU profiles no steps after it)
     assert run["mean_tokens_per_verification"] > 1  # drafts were accepted
 

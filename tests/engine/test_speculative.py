@@ -488,6 +488,97 @@ def test_the_cost_model_drafts_only_where_measured_speculative_steps_beat_plain_
     assert engine._worth_drafting(rows[:1])
 
 
+def test_a_step_beside_prefill_refreshes_no_measured_time_and_plain_time_scales_from_a_measured_bucket():
+    """`CostModel.record(mixed=True)` (a step the device ran after prefill pieces): its time is kept only while its
+    kind and bucket have fewer than 2 counted times; it still counts as a step. `plain_estimate`: the median, else
+    the nearest measured bucket's scaled by the curve, else the curve. `drafts_at`: the mean rule on measurements
+    alone, None where the bucket's speculative steps are not measured."""
+    curve = StepTimeCurve([(1, 1.0), (8, 2.0)])  # per row: 1 s at 1, 0.25 s at 8
+    model = CostModel(curve)
+    assert model.plain_estimate(8) == pytest.approx(0.25) and model.plain_estimate(1) == pytest.approx(1.0)
+    model.record("plain", 8, 8, 1.0, 8)  # the capture step
+    model.record("plain", 8, 8, 8 * 0.003, 8, mixed=True)  # bucket not measured yet: kept
+    model.record("plain", 8, 8, 8 * 0.005, 8, mixed=True)
+    assert model.median("plain", 8) == pytest.approx(0.004)
+    model.record("plain", 8, 8, 8 * 0.5, 8, mixed=True)  # measured now: not kept, but counted as a step
+    assert model.median("plain", 8) == pytest.approx(0.004) and model.steps[("plain", 8)] == 4
+    assert len(model.timeline) == 4 and model.plain_run[8] == 4
+    model.record("plain", 8, 8, 8 * 0.001, 8)  # a clean step is: (3, 5, 1) ms → 3
+    assert model.median("plain", 8) == pytest.approx(0.003)
+    # bucket 1 unmeasured: bucket 8's 3 ms × (1 / 0.25) from the curve
+    assert model.plain_estimate(1) == pytest.approx(0.012) and model.plain_estimate(8) == pytest.approx(0.003)
+    assert model.drafts_at(8) is None  # no speculative step measured
+    for _ in range(3):
+        model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)  # 2 tokens per row in 4 ms: 500 per s against 333
+    assert model.drafts_at(8) is True and model.drafts_at(8, [1.0] * 8) is False  # 250 per s
+    assert model.drafts_at(1) is None and model.worth_drafting(8)
+
+
+def test_while_prompts_wait_the_batch_they_make_decides():
+    """`Engine._worth_drafting` with prompts prefilling or waiting: the bucket of the batch they make decides where
+    its speculative steps are measured (there drafting loses: plain, though the rows' own bucket would draft);
+    unmeasured there, or `project_batch` off, the rows' own bucket decides."""
+    m = engine_test_model(52)
+    engine = Engine(m, max_batch=8, max_seq_len=64, step_time=FLAT, drafter=NoisyDrafter(m.config.vocab_size, 3))
+    for _ in range(3):
+        engine._measure("spec", 2, 2 * 0.002, 2 * 2.0)  # bucket 2: 1,000 tokens/s per row drafting
+        engine._measure("plain", 2, 2 * 0.0015, 2)  # 667 plain
+    rows = [SimpleNamespace(spec_tokens=None, params=SimpleNamespace(max_tokens=16), output=[]) for _ in range(2)]
+    engine.scheduler.running.extend(rows)  # the decoding rows
+    assert engine._worth_drafting(rows)
+    engine.scheduler.waiting.extend(SimpleNamespace() for _ in range(5))  # 2 + 5 rows: bucket 8, unmeasured
+    assert engine._worth_drafting(rows)
+    for _ in range(3):
+        engine._measure("spec", 8, 8 * 0.004, 8 * 2.0)  # 500 per s drafting
+        engine._measure("plain", 8, 8 * 0.001, 8)  # 1,000 plain
+    assert not engine._worth_drafting(rows)
+    engine.scheduler.waiting.pop()  # 6 rows still make bucket 8
+    assert not engine._worth_drafting(rows)
+    engine.project_batch = False
+    assert engine._worth_drafting(rows)
+    engine.project_batch = True
+    engine.scheduler.waiting.clear()
+    engine.scheduler.running.append(SimpleNamespace())  # one prompt prefilling: 3 rows, bucket 4
+    assert engine._worth_drafting(rows)  # (bucket 4 unmeasured)
+    for _ in range(3):
+        engine._measure("spec", 4, 4 * 0.004, 4 * 2.0)
+        engine._measure("plain", 4, 4 * 0.001, 4)
+    assert not engine._worth_drafting(rows)
+    engine.scheduler.running.clear()
+
+
+def test_the_two_steps_after_prefill_pieces_are_measured_as_mixed():
+    """The engine tells its cost model which decode steps ran while the device may still have worked on prefill
+    pieces (`record(mixed=True)`): the two measurements after a step that ran pieces; later ones are clean."""
+    model = engine_test_model(53)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(53)
+    engine = Engine(model, max_batch=4, max_seq_len=128, prefill_chunk=8, prefill_layers=None, step_time=FLAT,
+                    drafter=NoisyDrafter(V, 3, base=None, noise=1.0))
+    since = {"n": None}  # measurements since the last step that ran prefill pieces (None: none ran yet)
+    log = []  # (mixed, measurements since pieces)
+    record = engine.cost_model.record
+
+    def logged(*args, mixed=False):
+        if since["n"] is not None:
+            log.append((mixed, since["n"]))
+            since["n"] += 1
+        return record(*args, mixed=mixed)
+
+    engine.cost_model.record = logged
+    first = engine.add_request(torch.randint(3, V, (6,), generator=g).tolist(), SamplingParams(max_tokens=40))
+    while not first.output:
+        engine.step()
+    engine.add_request(torch.randint(3, V, (30,), generator=g).tolist(), SamplingParams(max_tokens=10))
+    while engine.has_work():
+        pieces = engine.stats.prefill_pieces
+        engine.step()
+        if engine.stats.prefill_pieces > pieces:
+            since["n"] = 0
+    assert sum(m for m, _ in log) >= 2 and sum(not m for m, _ in log) >= 5, log
+    assert all(mixed == (n < 2) for mixed, n in log), log
+
+
 def test_a_probe_that_loses_doubles_the_wait_for_the_next():
     """Probes back off: after 32 plain steps the model drafts once; if the decision stays plain, the next probe
     comes after 64, then 128 (up to probe_max); a decision to draft on the measurements resets the wait to 32."""
@@ -647,12 +738,31 @@ def test_spec_beside_prefill_decodes_plainly_in_the_steps_that_prefill_above_its
     script = ScriptedDrafter(3, {tuple(p): o for p, o in zip(prompts, want)})
     engine = Engine(model, max_batch=8, max_seq_len=256, prefill_chunk=16, prefill_layers=None, step_time=FLAT,
                     drafter=NoisyDrafter(V, 3, base=script, noise=0.3), speculate="always", spec_beside_prefill=2)
-    record = {"batches": [], "steps": []}
+    record = {"batches": [], "steps": [], "calls": []}
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: record["batches"].append(schedule()) or record["batches"][-1]
+    emit, run_pieces = engine._emit, engine._run_pieces
+
+    def emit_logged(seqs, *args, **kwargs):
+        record["calls"].append(("emit", len(record["batches"]), tuple(s.id for s in seqs)))
+        return emit(seqs, *args, **kwargs)
+
+    def pieces_logged(pieces, outputs):
+        record["calls"].append(("pieces", len(record["batches"]), ()))
+        return run_pieces(pieces, outputs)
+
+    engine._emit, engine._run_pieces = emit_logged, pieces_logged
     assert run(engine, record) == want
     mixed = [s for s in record["steps"] if s[0] and s[1] > 2]
     assert mixed and all(verified == 0 and plain == 1 for _, _, verified, plain in mixed), record["steps"]
+    # those plain steps read their tokens after the pieces are launched (as a plain engine's: the pieces' host work
+    # runs beside the device's decode), not before
+    for i, batch in enumerate(record["batches"], start=1):
+        if batch.prefill and len(batch.decode) > 2:
+            calls = [c for c in record["calls"] if c[1] == i]
+            decode_ids = tuple(s.id for s in batch.decode)
+            at = next(j for j, c in enumerate(calls) if c[0] == "emit" and c[2] == decode_ids)
+            assert any(c[0] == "pieces" for c in calls[:at]), calls
     assert any(verified == 1 for prefill, _, verified, _ in record["steps"] if not prefill)
     with pytest.raises(ValueError, match="spec_beside_prefill"):
         Engine(model, max_batch=2, step_time=FLAT, drafter=NoisyDrafter(V, 3), spec_beside_prefill=-1)

@@ -362,6 +362,10 @@ class Engine:
         self.step_time = step_time
         self.speculate = speculate
         self.spec_beside_prefill = spec_beside_prefill
+        # speculate="auto": while prompts prefill or wait, decide at the bucket of the batch they make (the benchmarks'
+        # comparison switches it off)
+        self.project_batch = True
+        self._pieces_behind = 0  # decode steps still to measure as `mixed` (prefill pieces queued before them)
         self.cost_model = CostModel(lambda n: self.step_time(n))  # speculate="auto"; the curve is profiled below
         self._drafter_seen: dict[int, int] = {}  # sequence id → tokens the drafter has observed
         self.buckets = batch_buckets(max_batch)  # the padded batch sizes of the static steps (their graphs)
@@ -556,12 +560,13 @@ class Engine:
         if batch.decode:
             t0 = time.perf_counter()
             overlapped = self.overlap and not batch.prefill and self._overlappable(batch.decode)
-            if self.drafter is not None and not (overlapped and self._decides_plain(batch.decode)):
-                if (batch.prefill and self.spec_beside_prefill is not None
-                        and len(batch.decode) > self.spec_beside_prefill):
-                    outputs.extend(self._plain_step(batch.decode))  # the prompts in this step wait on it
-                else:
-                    outputs.extend(self._speculate(batch.decode))
+            drafts = self.drafter is not None and not self._decides_plain(batch.decode) and not (
+                batch.prefill and self.spec_beside_prefill is not None
+                and len(batch.decode) > self.spec_beside_prefill)  # then the prompts in this step wait less
+            if drafts:
+                outputs.extend(self._speculate(batch.decode))
+            elif self.drafter is not None and not overlapped and not batch.prefill:
+                outputs.extend(self._plain_step(batch.decode))  # timed for the cost model
             else:
                 if overlapped:  # with a drafter: the cost model chose plain steps (`_decides_plain`)
                     self._inflight = self._launch(batch.decode)
@@ -572,6 +577,8 @@ class Engine:
                     outputs.extend(self._emit(batch.decode, logits))
                     self._add_decode_time(batch.decode, time.perf_counter() - t0)
                     return outputs
+                if self.drafter is not None:  # a plain step beside prefill pieces: the pieces' launches overlap it
+                    self._count_plain(len(batch.decode))  # as in a plain engine (not timed: the pieces share it)
                 logits = self._decode(batch.decode)
                 if batch.prefill:
                     # overlap: the pieces' host work (their kernel launches) runs while the device still
@@ -584,6 +591,8 @@ class Engine:
             self._add_decode_time(batch.decode, time.perf_counter() - t0)
         prefill_outputs: list[StepOutput] = []
         self._run_pieces(batch.prefill, prefill_outputs)
+        if batch.prefill:
+            self._pieces_behind = 2
         if pending is not None:
             t0 = time.perf_counter()
             logits, tokens = pending
@@ -629,8 +638,7 @@ class Engine:
         self.stats.decode_steps += 1
         self.stats.decode_tokens += B
         if self.drafter is not None:  # a plain step the cost model chose (the drafter catches up later)
-            self.stats.speculative.plain_steps += 1
-            self.stats.speculative.plain_tokens += B
+            self._count_plain(B)
         t0 = time.perf_counter()
         try:
             sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
@@ -1015,11 +1023,19 @@ class Engine:
         """`speculate="auto"`: whether this batch drafts (the engine's `CostModel`, per batch bucket, with
         the rows' own tokens per verification). With no request waiting the batch drains: the rows' remaining
         tokens (to `max_tokens`) go with them, and the row that would finish last decides."""
+        rows = [s.spec_tokens for s in seqs]
+        here = bucket(len(seqs), self.buckets)
+        if self.project_batch:
+            # prompts prefill or wait for a free slot: each step carries one prefill piece, so a verification step
+            # (2-4x a plain one's time) delays every waiting prompt; the batch they make decides when measured
+            joining = len(self.scheduler.running) + len(self.scheduler.waiting)
+            soon = bucket(min(self.max_batch, max(len(seqs), joining)), self.buckets)
+            if soon > here and self.cost_model.drafts_at(soon, rows) is False:
+                return False
         remaining = None
         if not self.scheduler.waiting:
             remaining = [max(1, s.params.max_tokens - len(s.output)) for s in seqs]
-        return self.cost_model.worth_drafting(bucket(len(seqs), self.buckets), [s.spec_tokens for s in seqs],
-                                              remaining)
+        return self.cost_model.worth_drafting(here, rows, remaining)
 
     def reset_cost_model(self) -> None:
         """Forget the cost model's measurements (after steps timed under a profiler, say: its overhead
@@ -1027,8 +1043,11 @@ class Engine:
         self.cost_model.reset()
 
     def _measure(self, kind: str, B: int, seconds: float, tokens: int) -> None:
-        """One step's wall time and tokens into the cost model."""
-        self.cost_model.record(kind, bucket(B, self.buckets), B, seconds, tokens)
+        """One step's wall time and tokens into the cost model — `mixed` while the device may still run the prefill
+        pieces of the step before (`_pieces_behind`: the next two decode steps after a step with pieces)."""
+        mixed = self._pieces_behind > 0
+        self._pieces_behind = max(0, self._pieces_behind - 1)
+        self.cost_model.record(kind, bucket(B, self.buckets), B, seconds, tokens, mixed=mixed)
 
     def _propose(self, seqs: list[Sequence], *, wait: bool = True, anchors: list[int] | None = None,
                  anchors_device: Tensor | None = None):
@@ -1178,14 +1197,13 @@ class Engine:
         static step chooses lengths after its forward: the drafts never wait on the host before it).
         The forward is the static verification step of k + 1 positions (a CUDA graph on GPUs) whenever
         every row's block fits max_seq_len; otherwise the host-driven forward over max L + 1 positions.
-        chained: this step's static verification, launched already at the end of the step before (`_chain`)."""
+        chained: this step's static verification, launched already at the end of the step before (`_chain`).
+        The caller has asked the cost model (`_decides_plain`: a static step it turns plain never comes here)."""
         c, B, stats, k = self.config, len(seqs), self.stats.speculative, self.drafter.k
         accepted = early = None  # the device's greedy acceptance and the next proposal it launched (static step)
         caps, batch_cap = self._verify_caps(seqs)
         static = chained is not None or (self.vio is not None and batch_cap >= k)
         if chained is None:
-            if static and self.speculate == "auto" and not self._worth_drafting(seqs):
-                return self._plain_step(seqs)  # the drafter sees these tokens when it drafts next
             self._catch_up(seqs)  # a cost of the plain steps before, not of this one
         t0 = time.perf_counter()
         caches = [s.cache for s in seqs]
@@ -1366,10 +1384,13 @@ class Engine:
         for cache, start, n in zip(caches, starts, keep):
             cache.truncate(start + n)
 
+    def _count_plain(self, rows: int) -> None:
+        """A plain decode step of an engine with a drafter (its statistics)."""
+        self.stats.speculative.plain_steps += 1
+        self.stats.speculative.plain_tokens += rows
+
     def _plain_step(self, seqs: list[Sequence]) -> list[StepOutput]:
-        stats = self.stats.speculative
-        stats.plain_steps += 1
-        stats.plain_tokens += len(seqs)
+        self._count_plain(len(seqs))
         t0 = time.perf_counter()
         outputs = self._emit(seqs, self._decode(seqs))
         self._measure("plain", len(seqs), time.perf_counter() - t0, len(seqs))
