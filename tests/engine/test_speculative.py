@@ -579,6 +579,22 @@ def test_the_two_steps_after_prefill_pieces_are_measured_as_mixed():
     assert all(mixed == (n < 2) for mixed, n in log), log
 
 
+def test_decides_plain_only_where_a_static_verification_fits():
+    """`Engine._decides_plain` (asked before every overlapped plain step): plain where the cost model says so and
+    every row's block of k + 1 positions fits max_seq_len (`_verify_caps`' batch bound ≥ k); a row past that goes
+    to the host-driven verification (`_speculate`), whatever the cost model says."""
+    m = engine_test_model(52)
+    engine = Engine(m, max_batch=8, max_seq_len=64, step_time=FLAT, drafter=NoisyDrafter(m.config.vocab_size, 3))
+    for _ in range(3):
+        engine._measure("spec", 2, 2 * 0.004, 2 * 2.0)
+        engine._measure("plain", 2, 2 * 0.001, 2)  # plain wins at bucket 2
+    k = engine.drafter.k
+    for last in range(64 - k - 4, 64):
+        rows = [SimpleNamespace(spec_tokens=None, params=SimpleNamespace(max_tokens=200), output=[],
+                                num_cached_tokens=n) for n in (10, last)]
+        assert engine._decides_plain(rows) == (engine._verify_caps(rows)[1] >= k) == (last <= 64 - 1 - k), last
+
+
 def test_a_probe_that_loses_doubles_the_wait_for_the_next():
     """Probes back off: after 32 plain steps the model drafts once; if the decision stays plain, the next probe
     comes after 64, then 128 (up to probe_max); a decision to draft on the measurements resets the wait to 32."""

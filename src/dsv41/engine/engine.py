@@ -624,7 +624,12 @@ class Engine:
         model says so, where a static verification step would run — `_speculate`'s own test)."""
         if self.speculate != "auto" or self.vio is None:
             return False
-        return self._verify_caps(seqs)[1] >= self.drafter.k and not self._worth_drafting(seqs)
+        # `_verify_caps(seqs)[1] >= k` (every row's block of k + 1 fits), without the per-row caps: this runs
+        # before every overlapped plain step, whose host time a plain engine does not spend
+        limit = self.max_seq_len - 1 - self.drafter.k
+        if any(s.num_cached_tokens > limit for s in seqs):
+            return False
+        return not self._worth_drafting(seqs)
 
     def _launch(self, seqs: list[Sequence], tokens: Tensor | None = None) -> _InFlight | None:
         """Launch the decode step of `seqs` — their pending tokens, or `tokens` (B,) on the device (the in-flight
@@ -1033,8 +1038,8 @@ class Engine:
             if soon > here and self.cost_model.drafts_at(soon, rows) is False:
                 return False
         remaining = None
-        if not self.scheduler.waiting:
-            remaining = [max(1, s.params.max_tokens - len(s.output)) for s in seqs]
+        if not self.scheduler.waiting:  # (a running row has a token left to generate: ≥ 1)
+            remaining = [s.params.max_tokens - len(s.output) for s in seqs]
         return self.cost_model.worth_drafting(here, rows, remaining)
 
     def reset_cost_model(self) -> None:

@@ -213,9 +213,10 @@ class CostModel:
         if rows and remaining is not None:
             if len(remaining) != len(rows):
                 raise ValueError(f"remaining has {len(remaining)} rows, rows has {len(rows)}")
-            per_row = [self.tokens if n is None else n for n in rows]
-            spec = max(r / max(n, 1.0) for r, n in zip(remaining, per_row)) * t_spec
-            draft = spec < max(remaining) * t_plain
+            # (comprehensions without per-row calls: this runs before every overlapped plain step of a draining batch)
+            average = max(self.tokens, 1.0)
+            verifications = [r / (average if n is None else n if n > 1.0 else 1.0) for r, n in zip(remaining, rows)]
+            draft = max(verifications) * t_spec < max(remaining) * t_plain
         else:
             draft = self._mean_rate(rows) / t_spec > 1 / t_plain
         if draft:
