@@ -299,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the speculative engine decides at its decode rows' batch while prompts prefill or wait, "
                          "not at the batch they make (Engine.project_batch = False: the comparison)")
     ap.add_argument("--gc-freeze", action="store_true",
-                    help="move every object alive after the model's load out of Python's garbage collection "
-                         "(gc.freeze: fewer and shorter collections; the comparison for the stalls it causes)")
+                    help="after each engine's warm-up, move every object alive out of Python's garbage collection "
+                         "(gc.freeze: shorter collections in the timed window; compares the stalls they cause)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
     args = ap.parse_args(argv)
@@ -354,9 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     text = text_prompts(args.text, args.prompt_len, R * max(args.batches)) if args.text else None
     report["prompts"] = f"validation windows of {args.text}" if text else "random token ids"
     report["gc_freeze"] = args.gc_freeze
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
+
+    def settle() -> None:
+        """After an engine's warm-up: with --gc-freeze, everything alive so far leaves the collector's view (the
+        engine's graphs, compiled kernels and model included), so a collection in the timed window walks only
+        what the window allocates."""
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
     for B in args.batches:
         prompts = (text[:R * B] if text else
                    torch.randint(3, c.vocab_size, (R * B, args.prompt_len), generator=g).tolist())
@@ -364,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                        overlap={"auto": None, "on": True, "off": False}[args.plain_overlap])
         report["plain_overlap"] = plain.overlap
         warm_s = {"plain": plain.warm_up()}  # every prefill shape compiled, every decode graph captured
+        settle()
         base = decode_run(plain, prompts, args.new_tokens, args.device, args.profile_steps, None, B)
         del plain
         try:
@@ -390,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         report["device_accept"] = hasattr(drafter, "observe_many_device")
         profile_s = time.perf_counter() - t0
         warm_s["speculative"] = spec_engine.warm_up()
+        settle()
         spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter, B)
         st = spec_engine.stats.speculative
         plain_out, spec_out = base.pop("outputs"), spec.pop("outputs")
