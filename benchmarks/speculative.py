@@ -49,6 +49,7 @@ class TimedDrafter:
         self.pure_propose = getattr(drafter, "pure_propose", False)  # the engine's early proposal
         if hasattr(drafter, "observe_many"):  # the engine's batched hand-over, when the drafter has one
             self.observe_many = lambda *args: self._timed(drafter.observe_many, *args)
+            self.observe_many_skips = getattr(drafter, "observe_many_skips", False)  # (its catch-up of long lags)
         if hasattr(drafter, "observe_many_device") and device_accept:  # the engine's acceptance on the device
             self.observe_many_device = lambda *args: self._timed(drafter.observe_many_device, *args)
             self.observed_more = drafter.observed_more

@@ -170,6 +170,36 @@ def test_observe_many_equals_row_by_row_observe():
 
 
 @torch.no_grad()
+@torch.no_grad()
+def test_observe_many_skipping_positions_equals_observe_of_more_tokens_than_features():
+    """`observe_many(..., skip=)` (the engine's catch-up of rows more than a window behind): row b's block lands
+    skip[b] positions after what it observed — the counts and rings of the eager reference's `observe` of
+    skip[b] + W tokens with the last W positions' features, and a proposal from them the same; rows without a skip
+    in the same call as `observe_many` alone. A skip with a block short of the window is refused."""
+    _, drafter = _models(seed=12)
+    g = torch.Generator().manual_seed(13)
+    static, reference = DSparkDrafter(drafter, max_sequences=4), _EagerReference(drafter)
+    ids = [3, 8, 6]
+    for s, n in zip(ids, (5, WINDOW + 3, 2 * WINDOW)):
+        _prefill([static, reference], s, n, drafter, g)
+    skip, keep = [WINDOW + 9, 0, 1], [WINDOW, 4, WINDOW]
+    tokens = torch.randint(17, 16384, (3, WINDOW), generator=g)
+    feats = _features(drafter, (3, WINDOW), g)
+    static.observe_many(ids, tokens, feats, keep, skip)
+    for b, s in enumerate(ids):
+        lead = torch.randint(17, 16384, (skip[b],), generator=g)  # the skipped tokens: their features never come
+        reference.observe(s, torch.cat([lead, tokens[b, :keep[b]]]), {i: f[b, :keep[b]] for i, f in feats.items()})
+    for s in ids:
+        slot = static.slot(s)
+        assert static.observed_host[slot] == int(static.observed[slot]) == reference.observed[s]
+        for k, (got, want) in enumerate(zip(_pool_rows(static, s), reference.rings[s])):
+            assert_close(got, want, rtol=1e-5, atol=1e-5, what=f"sequence {s} stage {k}")
+    last = torch.randint(17, 16384, (3,), generator=g)
+    assert torch.equal(static.propose(ids, last).tokens, reference.propose(ids, last)[0])
+    with pytest.raises(ValueError, match="skip"):
+        static.observe_many(ids[:1], tokens[:1, :4], {i: f[:1, :4] for i, f in feats.items()}, [4], [2])
+
+
 @pytest.mark.parametrize("B", [1, 3, 5])
 def test_static_propose_on_a_padded_batch_equals_the_eager_reference(B):
     _, drafter = _models(seed=20 + B)

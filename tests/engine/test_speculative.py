@@ -579,6 +579,62 @@ def test_the_two_steps_after_prefill_pieces_are_measured_as_mixed():
     assert all(mixed == (n < 2) for mixed, n in log), log
 
 
+@pytest.mark.parametrize("skips", [False, True])
+def test_rows_more_than_a_window_behind_catch_up_on_their_last_window(skips):
+    """After more than W plain steps, the first verification hands the drafter each row's last W committed tokens
+    with their features from the feature ring: with a drafter that skips (`observe_many_skips`) in one batched
+    `observe_many` (skip = lag − W), else row by row through `observe` — the same tokens and features."""
+    model = engine_test_model(49)
+    c = model.config
+    W = c.window_size
+    calls = []
+
+    class Recording(NoisyDrafter):
+        observe_many_skips = skips
+
+        def features_wanted(self):
+            return [c.n_layers - 1]
+
+        def observe(self, seq_id, tokens, features):
+            calls.append(("one", seq_id, tokens.clone(), {i: f.clone() for i, f in features.items()}))
+
+        def observe_many(self, seq_ids, tokens, features, keep, skip=None):
+            calls.append(("many", list(seq_ids), tokens.clone(), {i: f.clone() for i, f in features.items()},
+                          list(keep), skip))
+
+    g = torch.Generator().manual_seed(49)
+    prompts = [torch.randint(3, c.vocab_size, (n,), generator=g).tolist() for n in (9, 14)]
+    engine = Engine(model, max_batch=2, max_seq_len=256, drafter=Recording(c.vocab_size, 3, base=None, noise=0.5),
+                    step_time=FLAT)
+    turns = iter([False] * (W + 10) + [True] * 1000)
+    engine._worth_drafting = lambda seqs: next(turns)
+    outs = [o for o, _ in _run(engine, prompts, [W + 20] * 2)]
+    layer = c.n_layers - 1
+    got = {}  # seq id → (tokens, features, positions skipped)
+    if skips:
+        kind, ids, tokens, feats, keep, skip = next(call for call in calls if call[0] == "many")  # the catch-up
+        assert len(ids) == 2 and keep == [W, W] and min(skip) > 0, (ids, keep, skip)
+        got = {i: (tokens[b], feats[layer][b], skip[b]) for b, i in enumerate(ids)}
+    else:
+        assert not any(call[0] == "many" and len(call[2][0]) == W for call in calls)
+        for _, i, tokens, feats in [call for call in calls if call[0] == "one" and len(call[2]) > W][:2]:
+            got[i] = (tokens[-W:], feats[layer], len(tokens) - W)
+    assert len(got) == 2
+    for seq_id, prompt, out in zip(sorted(got), prompts, outs):
+        tokens, feats, skipped = got[seq_id]
+        n = len(prompt) + skipped + W  # the drafter saw the prompt at its prefill
+        assert tokens.tolist() == (prompt + out)[n - W:n] and feats.shape == (W, c.dim)
+        ref = {}  # the main model's hidden states there: the block's output, mean over the streams
+        hook = model.layers[layer].register_forward_hook(
+            lambda mod, args, output, ref=ref: ref.__setitem__("h", output[0].mean(dim=2)[0]))
+        with torch.no_grad():
+            model(torch.tensor([(prompt + out)[:n]]))
+        hook.remove()
+        want = ref["h"][n - W:n]
+        err = ((feats - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-4, f"sequence {seq_id}: rel err {err:.2e}"
+
+
 def test_decides_plain_only_where_a_static_verification_fits():
     """`Engine._decides_plain` (asked before every overlapped plain step): plain where the cost model says so and
     every row's block of k + 1 positions fits max_seq_len (`_verify_caps`' batch bound ≥ k); a row past that goes

@@ -272,12 +272,17 @@ class DSparkDrafter:
         first = self.observed_host[slot] + n - keep  # position of the first kept row
         self._commit([slot], [first], [p[m - keep:].unsqueeze(0) for p in parts], [keep])  # [(1, keep, dim)]
 
+    observe_many_skips = True  # `observe_many(..., skip=)`: the engine's catch-up of rows a window or more behind
+
     @torch.no_grad()
     def observe_many(self, seq_ids: list[int], tokens: Tensor, features: dict[int, Tensor],
-                     keep: list[int]) -> None:
+                     keep: list[int], skip: list[int] | None = None) -> None:
         """Row b commits its first keep[b] ≤ T positions (tokens (B, T), features {layer: (B, T, dim)}):
         the same rings and counts as `observe(seq_ids[b], tokens[b, :keep[b]], {i: f[b, :keep[b]]})` for
-        every b, in one batched forward; the positions not kept are computed and written to the dummy slot."""
+        every b, in one batched forward; the positions not kept are computed and written to the dummy slot.
+        skip[b] > 0: row b's block starts skip[b] positions after what it has observed — those positions fell out
+        of its window, so its block must fill the window (keep[b] = window); the same as `observe` of the skipped
+        tokens and the block's with the block's features only."""
         if tokens.dim() != 2 or tokens.size(0) != len(seq_ids) or len(keep) != len(seq_ids):
             raise ValueError(f"DSparkDrafter.observe_many: tokens {tuple(tokens.shape)}, {len(seq_ids)} sequences "
                              f"and {len(keep)} keep counts do not agree")
@@ -287,11 +292,15 @@ class DSparkDrafter:
         keep = [int(n) for n in keep]
         if any(not 0 <= n <= T for n in keep):
             raise ValueError(f"DSparkDrafter.observe_many: keep {keep} outside 0 … {T}")
+        skip = [0] * B if skip is None else [int(n) for n in skip]
+        if len(skip) != B or any(n < 0 or (n > 0 and k != self.window) for n, k in zip(skip, keep)):
+            raise ValueError(f"DSparkDrafter.observe_many: skip {skip} with keep {keep}: a row may skip positions "
+                             f"only with a block that fills its window ({self.window})")
         slots = [self.slot(s) for s in seq_ids]
         if not any(keep):
             return
         parts = self._block_parts("observe_many", features, B, T)
-        self._commit(slots, [self.observed_host[s] for s in slots], parts, keep)
+        self._commit(slots, [self.observed_host[s] + n for s, n in zip(slots, skip)], parts, keep)
 
     @torch.no_grad()
     def observe_many_device(self, seq_ids: list[int], features: dict[int, Tensor], keep: Tensor) -> None:

@@ -71,7 +71,9 @@ class Drafter(Protocol):
     drafter has `features_at = "input"`). m = n after a verification; after a prefill m ≤ n covers the
     last m tokens (encoder-only prefill runs the decoder over the last n_win prompt tokens only).
     Optional: `pure_propose` (True when `propose` draws nothing at random and changes no state: the engine then
-    launches a proposal before it knows it will use it), `observe_many`, `warm_up`, `features_at`."""
+    launches a proposal before it knows it will use it), `observe_many`, `observe_many_skips` (True: `observe_many`
+    takes `skip`, positions that fell out of the window before a row's block — the engine's catch-up of rows a
+    window or more behind then goes in the same call), `warm_up`, `features_at`."""
 
     k: int  # tokens proposed per step (dspark_block_size − 1)
 
