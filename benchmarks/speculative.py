@@ -109,8 +109,9 @@ def gpu_seconds(engine, steps: int, device: str) -> tuple[float | None, int]:
 def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, profile_steps: int,
                drafter: TimedDrafter | None, slots: int) -> dict:
     """The requests through `engine` (max_batch = slots; more requests than slots refill the batch as rows
-    finish). First a warm-up: the first `slots` prompts for 8 tokens (the first engine of a process compiles
-    its kernels; each engine captures its graphs). Then three windows:
+    finish). First a warm-up: the first `slots` prompts for WARM_UP_TOKENS tokens (the first engine of a process
+    compiles its kernels; each engine captures its graphs; a speculative engine's cost model measures the batch and
+    keeps what it measured). Then three windows:
     * decode ("tokens_per_s"): from the step where the first `slots` requests all decode, to the end (the
       tail of a closed batch included);
     * "steady": the same start, up to the step after which fewer than `slots` rows are left (every slot busy);
@@ -181,6 +182,7 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
             steady = (sum(len(s.output) for s in seqs) - tokens0, time.perf_counter() - t0)
     sync()
     t_end = time.perf_counter()
+    timed_steps, steps_log = steps_log, None  # (the GPU-time profile below is not logged)
     window_steps = len(engine.cost_model.timeline)  # the cost model's steps of the decode window
     elapsed = t_end - t0
     tokens = sum(len(s.output) for s in seqs) - tokens0
@@ -203,7 +205,7 @@ def decode_run(engine, prompts: list[list[int]], new_tokens: int, device: str, p
             "stalls": stalls,  # steps of the decode window slower than STALL_S, with what ran in them
             # every step from submitting on: ms, rows before it, prefill pieces, tokens decoded, verification forwards
             # (the first `ramp_steps` until the closed batch's prompts are all prefilled)
-            "steps": steps_log, "ramp_steps": ramp_steps,
+            "steps": timed_steps, "ramp_steps": ramp_steps,
             "prefilled_s": prefilled_s,  # submit → the first `slots` prompts all prefilled (decode steps beside)
             # over the whole closed batch: runs, pieces, forwards and decode steps, graphs captured meanwhile
             "counts": {name: getattr(engine.stats, name) - before[name] for name in counted}

@@ -125,11 +125,12 @@ class CostModel:
     to a step that captured another graph, or caught the drafter up); tokens per row of speculative steps are a
     moving average over every bucket (acceptance depends on the text, not the batch), or the mean of the
     batch's rows' own averages where they have one. It drafts until a bucket has `warmup` counted speculative
-    steps; until a plain step is counted there, the profiled step-time curve
-    stands for it; after `probe_every` plain steps in a row it drafts once again (acceptance changes). A probe that
-    does not turn the decision doubles the wait before the next one in its bucket (up to `probe_max`: a probe costs
-    about two plain steps at batch 64 — 9.05 vs 5.09 ms on 2026-12-03 —, so one every 33 steps added 2.4 % to a batch
-    that stays plain); a decision to draft on the measurements brings it back to `probe_every`."""
+    steps; until a plain step is counted there, `plain_estimate` stands for it (another bucket's measured plain
+    steps scaled by the profiled step-time curve, or the curve); after `probe_every` plain steps in a row it drafts
+    once again (acceptance changes). A probe that does not turn the decision doubles the wait before the next one in
+    its bucket (up to `probe_max`: a probe costs about two plain steps at batch 64 — 9.05 vs 5.09 ms on 2026-12-03 —,
+    so one every 33 steps added 2.4 % to a batch that stays plain); a decision to draft on the measurements brings
+    it back to `probe_every`."""
 
     def __init__(self, step_time: Callable[[int], float], *, warmup: int = 2, window: int = 5,
                  probe_every: int = 32, probe_max: int = 1024, smoothing: float = 0.1):
