@@ -609,6 +609,9 @@ def test_rows_more_than_a_window_behind_catch_up_on_their_last_window(skips):
     turns = iter([False] * (W + 10) + [True] * 1000)
     engine._worth_drafting = lambda seqs: next(turns)
     outs = [o for o, _ in _run(engine, prompts, [W + 20] * 2)]
+    # the plain step's features go to the ring only (nothing reads a copy of them); a verification's to `features`
+    assert engine.io.features is None and engine.io.feature_ring is engine.feature_ring
+    assert engine.vio.features is not None and engine.vio.feature_ring is None
     layer = c.n_layers - 1
     got = {}  # seq id → (tokens, features, positions skipped)
     if skips:

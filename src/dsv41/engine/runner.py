@@ -189,7 +189,7 @@ class Runner:
         step), a verification block of T positions (speculative decoding) or an exact prefill chunk of any T
         (`test_a_static_step_of_more_than_a_window_is_an_exact_prefill_chunk`). Writes and returns
         io.logits[:B] — (B, vocab) fp32 for T = 1 or io.last_only (the last position), (B, T, vocab) else — and,
-        when io.capture_layers is set, the wanted features into io.features (and io.feature_ring) and the
+        when io.capture_layers is set, the wanted features into io.features (or io.feature_ring) and the
         ratio-m compressors' projections into io.projections. Shapes depend only on (B, n_max): capturable."""
         record = io.record(B, n_max)
         if io.rollback is not None:  # what the block overwrites, before it does
@@ -201,8 +201,9 @@ class Runner:
         out.copy_(self.logits(h, pre_mix) if io.last_only else self.model.head_logits(hc_pre(h, pre_mix)))
         capture = record.capture
         if capture is not None:
-            for j, layer in enumerate(io.capture_layers):
-                io.features[j, :B].copy_(capture.features[layer])  # (B, T, dim)
+            if io.features is not None:
+                for j, layer in enumerate(io.capture_layers):
+                    io.features[j, :B].copy_(capture.features[layer])  # (B, T, dim)
             if io.feature_ring is not None:  # per-slot ring of the wanted features (a drafter catches up from it)
                 stacked = torch.stack([capture.features[i] for i in io.capture_layers], dim=2)  # (B, T, n, dim)
                 W = io.feature_ring.size(1)
@@ -493,8 +494,9 @@ class DecodeIO:
     entry count after the step and, per position, the pool row of the entry that token completes
     (−1 = none). `logits` is the step's output: (max_batch, vocab) for T = 1 or last_only,
     (max_batch, T, vocab) else. With `capture_layers`, the step also hands back those layers' features (the mean over
-    streams, `Capture`) in `features` (n, max_batch, T, dim), and — when `feature_ring` is given, a
-    (slots + 1, W, n, dim) tensor — stores them per slot and position % W; with `projections`, the
+    streams, `Capture`) in `features` (n, max_batch, T, dim) — or, when `feature_ring` is given, a
+    (slots + 1, W, n, dim) tensor, stores them there per slot and position % W instead (`features` is None: a
+    drafter engine's plain decode step, whose features only the ring keeps); with `projections`, the
     ratio-m compressors' projections of every position (a rollback rebuilds partial groups from them).
 
     `ragged` (T > 1, no rollback or feature ring): row b may run fewer tokens than T — `fill_batch` pads its block
@@ -535,7 +537,8 @@ class DecodeIO:
         self.logits = torch.zeros(shape, dtype=torch.float32, device=device)
         self.capture_layers, self.capture_at = tuple(capture_layers), capture_at
         # fp32 holds the model's bf16 features exactly
-        self.features = torch.zeros(len(self.capture_layers), max_batch, T, config.dim, device=device)
+        self.features = None if feature_ring is not None else torch.zeros(
+            len(self.capture_layers), max_batch, T, config.dim, device=device)
         self.feature_ring = feature_ring
         self.projections: dict[int, tuple[Tensor, Tensor]] = {}
         if projections:
