@@ -27,12 +27,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import to_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHECKPOINT = Path(__file__).resolve().parents[1] / "models" / "dsv41-small"
@@ -424,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                "verify_graphs": spec_engine.vgraphs.captures if spec_engine.vgraphs is not None else 0,
                "profile_s": profile_s, "warm_up_s": warm_s}
         report["runs"].append(run)
-        path.write_text(json.dumps(report, indent=1))  # after every batch: a run cut short keeps what it measured
+        path.write_text(to_json(report))  # after every batch: a run cut short keeps what it measured
         del spec_engine, drafter, inner
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
