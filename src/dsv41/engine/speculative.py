@@ -246,25 +246,25 @@ class CostModel:
         scaled by the step-time curve (as `spec_estimate`); else the curve itself — profiled on synchronized
         steps, it runs slower than the engine's overlapped plain steps (H100, 64 rows: 2.9 against 1.5 ms)."""
         t = self.median("plain", bucket)
-        if t is not None:
-            return t
-        measured = [b for (kind, b), ts in self.times.items() if kind == "plain" and ts]
-        per_row = lambda b: self.step_time(b) / b  # noqa: E731
-        if not measured:
-            return per_row(bucket)
-        near = min(measured, key=lambda b: (abs(b - bucket), b))
-        return self.median("plain", near) * per_row(bucket) / per_row(near)
+        if t is None:
+            t = self._scaled("plain", bucket, 1)
+        return self.step_time(bucket) / bucket if t is None else t
 
     def spec_estimate(self, bucket: int) -> float | None:
         """Seconds per row of a speculative step at `bucket` where none is counted: the nearest measured
         bucket's (its warm-up done), times the step-time curve's plain seconds per row at `bucket` over those at
         that bucket (speculative and plain steps grow alike with the batch). None when no bucket is measured."""
-        measured = [b for (kind, b), ts in self.times.items() if kind == "spec" and len(ts) >= self.warmup]
+        return self._scaled("spec", bucket, self.warmup)
+
+    def _scaled(self, kind: str, bucket: int, counted: int) -> float | None:
+        """The median seconds per row of `kind` at the bucket nearest `bucket` with at least `counted` times,
+        scaled by the step-time curve's plain seconds per row from there to `bucket`; None where none has."""
+        measured = [b for (k, b), ts in self.times.items() if k == kind and len(ts) >= counted]
         if not measured:
             return None
         near = min(measured, key=lambda b: (abs(b - bucket), b))
         per_row = lambda b: self.step_time(b) / b  # noqa: E731
-        return self.median("spec", near) * per_row(bucket) / per_row(near)
+        return self.median(kind, near) * per_row(bucket) / per_row(near)
 
     def summary(self) -> dict:
         """Per (kind, bucket): the median s per row and the steps seen; the speculative tokens per row."""
