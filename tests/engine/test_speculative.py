@@ -638,6 +638,81 @@ def test_rows_more_than_a_window_behind_catch_up_on_their_last_window(skips):
         assert err < 1e-4, f"sequence {seq_id}: rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_lean_plain_steps_leave_the_ring_and_the_catch_up_waits_for_a_full_window(overlap):
+    """Plain steps far from the next draft skip the feature ring (`Engine._lean`: the cost model's next probe more
+    than a window away). When the engine then decides to draft, the rows' rings lack the lean positions: it keeps
+    stepping plainly, writing the ring, until each row holds a full window (`_ring_ready`), and only then catches the
+    drafter up — on the same tokens and features (the main model's, from a reference forward) as an engine without
+    lean steps. Greedy output equals the plain engine's."""
+    model = engine_test_model(57)
+    c = model.config
+    W = c.window_size
+    layer = c.n_layers - 1
+    g = torch.Generator().manual_seed(57)
+    prompts = [torch.randint(3, c.vocab_size, (n,), generator=g).tolist() for n in (9, 14)]
+    lean_steps = W + 7  # plain steps decided far from a probe; then the cost model wants to draft
+    new = lean_steps + W + 12
+    plain = [o for o, _ in _run(Engine(model, max_batch=2, max_seq_len=320), prompts, [new] * 2)]
+
+    class Recording(NoisyDrafter):
+        observe_many_skips = True
+
+        def features_wanted(self):
+            return [layer]
+
+        def observe(self, seq_id, tokens, features):  # the prompt, after its prefill
+            pass
+
+        def observe_many(self, seq_ids, tokens, features, keep, skip=None):
+            self.calls.append((list(seq_ids), tokens.clone(), features[layer].clone(), list(keep), skip, steps["n"]))
+
+    steps = {"n": 0}  # plain decode launches so far
+    engine = Engine(model, max_batch=2, max_seq_len=320, step_time=FLAT, overlap=overlap,
+                    drafter=Recording(c.vocab_size, 3, base=None, noise=0.5))
+    engine.drafter.calls = []
+    cm = engine.cost_model
+    cm.times[("spec", 2)] = [1.0] * cm.warmup  # bucket 2 measured: its next probe is `probe_gap` steps away
+    cm.probe_gap[2] = 10 ** 6
+    engine._worth_drafting = lambda seqs: steps["n"] >= lean_steps
+    decode, lean, written = engine.runner.decode, [], []
+
+    def counted(io, B, n_max, *, features=True):
+        if io is not engine.io:
+            return decode(io, B, n_max, features=features)
+        steps["n"] += 1
+        lean.append(not features)
+        before = engine.feature_ring.clone()
+        out = decode(io, B, n_max, features=features)
+        written.append(not torch.equal(before, engine.feature_ring))
+        return out
+
+    engine.runner.decode = counted
+    outs = [o for o, _ in _run(engine, prompts, [new] * 2)]
+    assert outs == plain
+    # lean from the second step at the bucket (its first plain one) until the draft was wanted, then never
+    assert sum(lean[:lean_steps]) >= lean_steps - 3 and not any(lean[lean_steps + 1:]), lean
+    assert written == [not x for x in lean]  # a lean step leaves the ring as it was, any other writes it
+    first = lean_steps + 1
+    catch_up = [call for call in engine.drafter.calls if call[3] == [W, W]]
+    assert catch_up, [call[3] for call in engine.drafter.calls]
+    ids, tokens, feats, keep, skip, at = catch_up[0]
+    assert at >= first + W - 1, (at, first)  # a window of written positions before the drafter caught up
+    assert engine.stats.speculative.forwards > 0
+    for b, (seq_id, prompt, out) in enumerate(zip(ids, prompts, outs)):
+        n = len(prompt) + skip[b] + W  # the drafter saw the prompt at its prefill
+        assert tokens[b].tolist() == (prompt + out)[n - W:n]
+        ref = {}
+        hook = model.layers[layer].register_forward_hook(
+            lambda mod, args, output, ref=ref: ref.__setitem__("h", output[0].mean(dim=2)[0]))
+        with torch.no_grad():
+            model(torch.tensor([(prompt + out)[:n]]))
+        hook.remove()
+        want = ref["h"][n - W:n]
+        err = ((feats[b] - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-4, f"sequence {seq_id}: rel err {err:.2e}"
+
+
 def test_decides_plain_only_where_a_static_verification_fits():
     """`Engine._decides_plain` (asked before every overlapped plain step): plain where the cost model says so and
     every row's block of k + 1 positions fits max_seq_len (`_verify_caps`' batch bound ≥ k); a row past that goes

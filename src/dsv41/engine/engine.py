@@ -368,6 +368,11 @@ class Engine:
         self._pieces_behind = 0  # decode steps still to measure as `mixed` (prefill pieces queued before them)
         self.cost_model = CostModel(lambda n: self.step_time(n))  # speculate="auto"; the curve is profiled below
         self._drafter_seen: dict[int, int] = {}  # sequence id → tokens the drafter has observed
+        # lean plain steps (`_lean`): sequence id → the first position whose features the ring holds since the row's
+        # last lean step (the positions before it, back to what the drafter has seen, have none anywhere)
+        self._ring_from: dict[int, int] = {}
+        self._ring_wanted = False  # the last decision was to draft, but a row's ring was not ready (`_decides_plain`)
+        self.lean_plain = drafter is not None  # the benchmarks' comparison switches it off
         self.buckets = batch_buckets(max_batch)  # the padded batch sizes of the static steps (their graphs)
         decode_tokens = 1
         if drafter is not None:
@@ -522,9 +527,11 @@ class Engine:
         try:
             for graphs in every:
                 keys = reachable_bounds(ratios, self.max_seq_len + graphs.io.T, graphs.min_entries)
+                lean = (False, True) if graphs is self.graphs and self._lean_possible() else (False,)
                 for n_max in keys + ([None] if graphs is self.vgraphs else []):  # None: the rollback's graph
                     for Bb in self.buckets:
-                        graphs.ensure(Bb, n_max)
+                        for variant in lean if n_max is not None else (False,):
+                            graphs.ensure(Bb, n_max, lean=variant)
         except RuntimeError as err:
             log.warning("warm-up: a decode graph's capture failed (%s); the %d captured stay, the rest are captured "
                         "when first needed", err, sum(g.captures for g in every) - before)
@@ -629,7 +636,46 @@ class Engine:
         limit = self.max_seq_len - 1 - self.drafter.k
         if any(s.num_cached_tokens > limit for s in seqs):
             return False
-        return not self._worth_drafting(seqs)
+        self._ring_wanted = False
+        if not self._worth_drafting(seqs):
+            return True
+        if self._ring_ready(seqs):
+            return False
+        self._ring_wanted = True  # no lean step until every row's ring holds what the drafter would read
+        return True
+
+    # ------------------------------------------------------------------ lean plain steps
+    def _lean_possible(self) -> bool:
+        return self.lean_plain and self.feature_ring is not None and self.speculate == "auto"
+
+    def _lean(self, seqs: list[Sequence]) -> bool:
+        """Whether this plain step may leave the feature ring alone: the cost model at the batch's bucket drafts
+        again no sooner than a window of plain steps from now (`CostModel.plain_ahead`), so the drafter will need
+        none of these positions' features — its catch-up reads at most the last window. The plain step of a
+        drafter engine otherwise stores its features (means over streams, stack, scatter: ~7 kernels), on the H100
+        on 2026-12-07 (64 rows, bf16) 1.91 ms a step against the plain engine's 1.82. A decision to draft that
+        comes sooner (the batch drains, its bucket changes) waits until every row's ring holds a window again
+        (`_ring_ready`)."""
+        if self._ring_wanted or not self._lean_possible():
+            return False
+        return self.cost_model.plain_ahead(bucket(len(seqs), self.buckets)) > self.config.window_size
+
+    def _mark_lean(self, seqs: list[Sequence]) -> None:
+        """After a lean step appended its position to each row: the ring holds the row's features from the next."""
+        for seq in seqs:
+            self._ring_from[seq.id] = seq.cache.n_tokens
+
+    def _ring_ready(self, seqs: list[Sequence]) -> bool:
+        """Whether the drafter can catch every row up from the feature ring: none lacks the features of a position
+        it would read (`_catch_up`: from what it has seen, or the last window when it is further behind)."""
+        if not self._ring_from:
+            return True
+        W = self.config.window_size
+        for seq in seqs:
+            start = self._ring_from.get(seq.id)
+            if start is not None and start > max(self._drafter_seen.get(seq.id, 0), seq.cache.n_tokens - W):
+                return False
+        return True
 
     def _launch(self, seqs: list[Sequence], tokens: Tensor | None = None) -> _InFlight | None:
         """Launch the decode step of `seqs` — their pending tokens, or `tokens` (B,) on the device (the in-flight
@@ -637,9 +683,13 @@ class Engine:
         fails (the caller emits the step synchronously, which finds the failing row)."""
         B = len(seqs)
         host_tokens = [s.next_token for s in seqs] if tokens is None else [0] * B
-        logits = self._run_static(self.io, self.graphs, [s.cache for s in seqs], host_tokens, tokens_device=tokens)
+        lean = self.drafter is not None and self._lean(seqs)
+        logits = self._run_static(self.io, self.graphs, [s.cache for s in seqs], host_tokens, tokens_device=tokens,
+                                  lean=lean)
         for seq, token in zip(seqs, host_tokens):
             seq.cache.tokens.append(token if tokens is None else _PENDING)  # the real id once it is read
+        if lean:
+            self._mark_lean(seqs)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += B
         if self.drafter is not None:  # a plain step the cost model chose (the drafter catches up later)
@@ -913,16 +963,20 @@ class Engine:
                                  images=seq.images, static=self.static)
 
     def preempt(self, seq: Sequence) -> None:
-        self._catch_up([seq])  # the feature ring is per slot: the drafter takes what it holds before the slot goes
+        if self._ring_ready([seq]):
+            self._catch_up([seq])  # the feature ring is per slot: the drafter takes what it holds before the slot goes
+        elif self.feature_ring is not None:  # what it lacks is lost with the slot: the ring fills again from here
+            self._ring_from[seq.id] = seq.cache.n_tokens
         seq.swapped = seq.cache.swap_out()
 
     # ------------------------------------------------------------------ decode
     def _run_static(self, io: DecodeIO, graphs: DecodeGraphs | None, caches: list[SequenceCache],
                     tokens: list[int] | list[list[int]], drafts: Tensor | None = None,
-                    tokens_device: Tensor | None = None) -> Tensor:
+                    tokens_device: Tensor | None = None, lean: bool = False) -> Tensor:
         """The static step of `io` (one token or a block of io.T per row) for these caches: logits
         io.logits[:B]. Replayed from `graphs` when given, eager otherwise. drafts (B, T − 1), a device
-        tensor: block positions 1 … T − 1 come from it instead of `tokens` (device → device)."""
+        tensor: block positions 1 … T − 1 come from it instead of `tokens` (device → device). lean: the
+        step writes no features (`_lean`)."""
         B = len(caches)
         t0 = time.perf_counter()
         io.wait_sent()
@@ -937,27 +991,31 @@ class Engine:
             io.device[io.TOK, :B].copy_(tokens_device)
         t0 = self._phase("prepare", t0)
         try:
-            return self._launch_static(io, graphs, B, Bb, n_max, n_entries)
+            return self._launch_static(io, graphs, B, Bb, n_max, n_entries, lean)
         finally:
             self._phase("launch", t0)
 
     def _launch_static(self, io: DecodeIO, graphs: DecodeGraphs | None, B: int, Bb: int, n_max: dict[int, int],
-                       n_entries: dict[int, int]) -> Tensor:
+                       n_entries: dict[int, int], lean: bool = False) -> Tensor:
         if graphs is not None:
             try:
-                return graphs.run(B, n_max)
+                return graphs.run(B, n_max, lean=lean)
             except RuntimeError as err:  # a kernel that cannot be captured: run eagerly from now on
                 log.warning("CUDA-graph capture failed (%s); running the static steps eagerly", err)
                 self.graphs = self.vgraphs = None
                 torch.cuda.synchronize()
-                return self.runner.decode(io, Bb, n_max)[:B]
-        return self.runner.decode(io, B, n_entries)
+                return self.runner.decode(io, Bb, n_max, features=not lean)[:B]
+        return self.runner.decode(io, B, n_entries, features=not lean)
 
     def _decode(self, seqs: list[Sequence]) -> Tensor:
         """Run each sequence's pending token through all layers at once: logits (B, vocab)."""
-        logits = self._run_static(self.io, self.graphs, [seq.cache for seq in seqs], [seq.next_token for seq in seqs])
+        lean = self.drafter is not None and self._lean(seqs)
+        logits = self._run_static(self.io, self.graphs, [seq.cache for seq in seqs], [seq.next_token for seq in seqs],
+                                  lean=lean)
         for seq in seqs:
             seq.cache.tokens.append(seq.next_token)
+        if lean:
+            self._mark_lean(seqs)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(seqs)
         return logits
@@ -996,6 +1054,9 @@ class Engine:
         for seq in seqs:
             seen = self._drafter_seen.get(seq.id)
             if seen is not None and seq.cache is not None and not seq.cache.released and seen < seq.cache.n_tokens:
+                start = self._ring_from.get(seq.id)
+                if start is not None and start > max(seen, seq.cache.n_tokens - W):
+                    continue  # a lean step's positions among those it would read (`_ring_ready`): none to hand over
                 lagging.append((seq, seen, seq.cache.n_tokens))
         if not lagging:
             return
@@ -1028,6 +1089,7 @@ class Engine:
                 self.drafter.observe(seq.id, torch.tensor(seq.cache.tokens[seen:n], device=self.device),
                                      {layer: rows[:, j] for j, layer in enumerate(layers)})
             self._drafter_seen[seq.id] = n
+            self._ring_from.pop(seq.id, None)  # every position before n seen: its lean ones are behind it
 
     def _worth_drafting(self, seqs: list[Sequence]) -> bool:
         """`speculate="auto"`: whether this batch drafts (the engine's `CostModel`, per batch bucket, with
@@ -1520,6 +1582,7 @@ class Engine:
         if seq.id in self._drafting:
             self._drafting.discard(seq.id)
             self._drafter_seen.pop(seq.id, None)
+            self._ring_from.pop(seq.id, None)
             self.drafter.finish(seq.id)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED

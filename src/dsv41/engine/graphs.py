@@ -81,10 +81,11 @@ class DecodeGraphs:
         """The padded batch and entry bounds a step of B rows runs at."""
         return bucket(B, self.buckets), {s: entry_bound(n, self.min_entries) for s, n in n_entries.items()}
 
-    def run(self, B: int, n_max: dict[int, int]) -> Tensor:
+    def run(self, B: int, n_max: dict[int, int], *, lean: bool = False) -> Tensor:
         """Replay (capturing first if needed) the step for the padded shape; io.logits[:B].
-        The caller has padded rows [B, bucket) and sent the inputs."""
-        self.ensure(bucket(B, self.buckets), n_max).replay()
+        The caller has padded rows [B, bucket) and sent the inputs. lean: the step's variant that writes no
+        features (`Runner.decode(features=False)`; a drafter engine's plain step far from its next draft)."""
+        self.ensure(bucket(B, self.buckets), n_max, lean=lean).replay()
         return self.io.logits[:B]
 
     def restore(self, B: int) -> None:
@@ -92,16 +93,16 @@ class DecodeGraphs:
         for the padded batch of B rows; the caller has sent the keep counts (`DecodeIO.send_keep`)."""
         self.ensure(bucket(B, self.buckets), None).replay()
 
-    def ensure(self, Bb: int, n_max: dict[int, int] | None) -> torch.cuda.CUDAGraph:
+    def ensure(self, Bb: int, n_max: dict[int, int] | None, *, lean: bool = False) -> torch.cuda.CUDAGraph:
         """The graph of bucket Bb and entry bounds n_max (None: the rollback's), captured now if it was not yet
         (as `dspark_drafter.StepGraphs.ensure`; `Engine.capture_decode_graphs` calls it ahead of the steps)."""
-        key = ("restore", Bb) if n_max is None else (Bb, tuple(sorted(n_max.items())))
+        key = ("restore", Bb) if n_max is None else (Bb, tuple(sorted(n_max.items())), lean)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = self._capture(Bb, n_max)
+            graph = self.graphs[key] = self._capture(Bb, n_max, lean)
         return graph
 
-    def _capture(self, Bb: int, n_max: dict[int, int] | None) -> torch.cuda.CUDAGraph:
+    def _capture(self, Bb: int, n_max: dict[int, int] | None, lean: bool = False) -> torch.cuda.CUDAGraph:
         """The step (n_max None: the rollback) of Bb rows, captured on all-padding inputs."""
         io = self.io
         real, real_keep = io.device.clone(), io.keep_device.clone()
@@ -111,7 +112,7 @@ class DecodeGraphs:
             if n_max is None:
                 graph = capture_graph(lambda: self.runner.restore(io, Bb), self.pool)
             else:
-                graph = capture_graph(lambda: self.runner.decode(io, Bb, n_max), self.pool)
+                graph = capture_graph(lambda: self.runner.decode(io, Bb, n_max, features=not lean), self.pool)
         finally:
             io.device.copy_(real)
             io.keep_device.copy_(real_keep)

@@ -184,27 +184,29 @@ class Runner:
 
     # ------------------------------------------------------------------ the static decode step
     @torch.no_grad()
-    def decode(self, io: DecodeIO, B: int, n_max: dict[int, int]) -> Tensor:
+    def decode(self, io: DecodeIO, B: int, n_max: dict[int, int], *, features: bool = True) -> Tensor:
         """The first B rows of `io` advance by io.T tokens each through every layer: one token (a decode
         step), a verification block of T positions (speculative decoding) or an exact prefill chunk of any T
         (`test_a_static_step_of_more_than_a_window_is_an_exact_prefill_chunk`). Writes and returns
         io.logits[:B] — (B, vocab) fp32 for T = 1 or io.last_only (the last position), (B, T, vocab) else — and,
         when io.capture_layers is set, the wanted features into io.features (or io.feature_ring) and the
-        ratio-m compressors' projections into io.projections. Shapes depend only on (B, n_max): capturable."""
+        ratio-m compressors' projections into io.projections. Shapes depend only on (B, n_max): capturable.
+        features=False: no features at all (a drafter engine's lean plain step, `Engine._lean`)."""
         record = io.record(B, n_max)
         if io.rollback is not None:  # what the block overwrites, before it does
             io.rollback.snapshot(record.slots, io.device[io.POS, :B])
-        if io.capture_layers or io.projections:
-            record.capture = Capture(layers=io.capture_layers, at=io.capture_at, projections=bool(io.projections))
+        layers = io.capture_layers if features else ()
+        if layers or io.projections:
+            record.capture = Capture(layers=layers, at=io.capture_at, projections=bool(io.projections))
         h, pre_mix = self._layers(record, io.block(B), range(self.config.n_layers))
         out = io.logits[:B]
         out.copy_(self.logits(h, pre_mix) if io.last_only else self.model.head_logits(hc_pre(h, pre_mix)))
         capture = record.capture
         if capture is not None:
-            if io.features is not None:
+            if layers and io.features is not None:
                 for j, layer in enumerate(io.capture_layers):
                     io.features[j, :B].copy_(capture.features[layer])  # (B, T, dim)
-            if io.feature_ring is not None:  # per-slot ring of the wanted features (a drafter catches up from it)
+            if layers and io.feature_ring is not None:  # per-slot ring of the features (a drafter catches up from it)
                 stacked = torch.stack([capture.features[i] for i in io.capture_layers], dim=2)  # (B, T, n, dim)
                 W = io.feature_ring.size(1)
                 io.feature_ring[record.slots.view(B, 1), record.positions % W] = stacked.to(io.feature_ring.dtype)

@@ -241,6 +241,16 @@ class CostModel:
             return None
         return self._mean_rate(rows) / self.median("spec", bucket) > 1 / self.plain_estimate(bucket)
 
+    def plain_ahead(self, bucket: int) -> int:
+        """Plain steps `bucket` takes before it next drafts, as far as its measurements tell: the probe's wait less
+        the plain steps since its last speculative step — 0 where its speculative steps are not measured yet (it
+        would draft to measure them) or its last step drafted. A decision to draft may still come sooner (a batch
+        that drains, measurements that change): the engine's lean plain steps are ready for that (`Engine._lean`)."""
+        run = self.plain_run.get(bucket, 0)
+        if not run or len(self.times.get(("spec", bucket), [])) < self.warmup:
+            return 0
+        return self.probe_gap.get(bucket, self.probe_every) - run
+
     def plain_estimate(self, bucket: int) -> float:
         """Seconds per row of a plain step at `bucket`: its measured median; else the nearest measured bucket's
         scaled by the step-time curve (as `spec_estimate`); else the curve itself — profiled on synchronized
