@@ -157,9 +157,9 @@ def test_every_key_a_decoding_engine_steps_at_is_one_a_warm_up_captures(monkeypa
     seen = set()
     launch = Engine._launch_static
 
-    def spy(self, io, graphs, B, Bb, n_max, n_entries):
+    def spy(self, io, graphs, B, Bb, n_max, n_entries, lean=False):
         seen.add((io.T, bucket(B, self.buckets), tuple(sorted((s, entry_bound(n, 16)) for s, n in n_entries.items()))))
-        return launch(self, io, graphs, B, Bb, n_max, n_entries)
+        return launch(self, io, graphs, B, Bb, n_max, n_entries, lean)
 
     monkeypatch.setattr(Engine, "_launch_static", spy)
     _run(engine, prompts, [6 * (i + 1) for i in range(6)])
@@ -180,8 +180,8 @@ class _Graphs:
     def __init__(self, io, fail_at: int | None = None):
         self.io, self.min_entries, self.fail_at, self.asked, self.captures = io, 16, fail_at, [], 0
 
-    def ensure(self, Bb, n_max):
-        key = ("restore", Bb) if n_max is None else (Bb, tuple(sorted(n_max.items())))
+    def ensure(self, Bb, n_max, lean=False):
+        key = ("restore", Bb) if n_max is None else (Bb, tuple(sorted(n_max.items()))) + (("lean",) if lean else ())
         if key not in self.asked:
             if self.fail_at is not None and len(self.asked) + 1 == self.fail_at:
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
@@ -192,21 +192,28 @@ class _Graphs:
 
 def test_capture_decode_graphs_asks_for_every_bucket_and_key_and_survives_a_failed_capture(caplog):
     """`Engine.capture_decode_graphs` with stand-in graphs: the plain step at every (key, bucket) of
-    `reachable_bounds` (T = 1), the verification at every one of its own (T = k + 1) and the rollback at every
+    `reachable_bounds` (T = 1) — in both variants, with and without features (`Engine._lean`), for a drafter
+    that wants features —, the verification at every one of its own (T = k + 1) and the rollback at every
     bucket; a capture that fails ends the warm-up's captures with a warning and keeps the graphs (the rest are
     captured when first needed)."""
     from dsv41.engine.speculative import NoisyDrafter
 
     model = engine_test_model(63)
     V = model.config.vocab_size
-    engine = Engine(model, max_batch=4, max_seq_len=100, graph_min_entries=16, drafter=NoisyDrafter(V, 3),
+
+    class Wanting(NoisyDrafter):
+        def features_wanted(self):
+            return [model.config.n_layers - 1]
+
+    engine = Engine(model, max_batch=4, max_seq_len=100, graph_min_entries=16, drafter=Wanting(V, 3),
                     step_time=lambda n: 1e-3)
     ratios = {s: pool.ratio for s, pool in engine.pools.sources.items()}
     engine.graphs, engine.vgraphs = _Graphs(engine.io), _Graphs(engine.vio)
     n = engine.capture_decode_graphs()
     keys = {T: [tuple(sorted(k.items())) for k in reachable_bounds(ratios, 100 + T, 16)] for T in (1, 4)}
     assert len(keys[4]) > 1
-    assert sorted(engine.graphs.asked) == sorted((Bb, k) for Bb in (1, 2, 4) for k in keys[1])
+    assert sorted(engine.graphs.asked) == sorted((Bb, k) + lean for Bb in (1, 2, 4) for k in keys[1]
+                                                 for lean in ((), ("lean",)))
     assert sorted(engine.vgraphs.asked, key=str) == sorted([(Bb, k) for Bb in (1, 2, 4) for k in keys[4]]
                                                            + [("restore", Bb) for Bb in (1, 2, 4)], key=str)
     assert n == len(engine.graphs.asked) + len(engine.vgraphs.asked)

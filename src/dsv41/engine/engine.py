@@ -646,7 +646,8 @@ class Engine:
 
     # ------------------------------------------------------------------ lean plain steps
     def _lean_possible(self) -> bool:
-        return self.lean_plain and self.feature_ring is not None and self.speculate == "auto"
+        return self.lean_plain and self.feature_ring is not None and bool(self.io.capture_layers) and (
+            self.speculate == "auto")
 
     def _lean(self, seqs: list[Sequence]) -> bool:
         """Whether this plain step may leave the feature ring alone: the cost model at the batch's bucket drafts
