@@ -756,6 +756,34 @@ def test_a_probe_that_loses_doubles_the_wait_for_the_next():
     assert plain_steps_until_probe() == 32
 
 
+def test_plain_ahead_counts_the_plain_steps_to_the_next_probe():
+    """`CostModel.plain_ahead` (the engine's lean plain steps): 0 while a bucket's speculative steps are unmeasured
+    or its last step drafted; else the probe's wait less the plain steps since — counted down to the step where
+    `worth_drafting` probes; infinite for a draining batch whose slowest row has less than twice the wait left
+    (which `worth_drafting` never probes)."""
+    model = CostModel(FLAT)
+    assert model.plain_ahead(8) == 0
+    model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)
+    model.record("plain", 8, 8, 8 * 0.001, 8)
+    assert model.plain_ahead(8) == 0  # one counted speculative step of warmup = 2
+    model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)
+    model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)
+    assert model.plain_ahead(8) == 0  # the last step drafted
+    for step in range(1, 40):
+        model.record("plain", 8, 8, 8 * 0.001, 8)
+        ahead = model.plain_ahead(8)
+        assert ahead == 32 - step, (step, ahead)
+        assert model.worth_drafting(8) == (ahead <= 0), step
+        if ahead <= 0:
+            break
+    model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)  # the probe loses: the next waits 64
+    model.record("plain", 8, 8, 8 * 0.001, 8)
+    assert model.plain_ahead(8) == 63
+    assert model.plain_ahead(8, remaining=[5, 127]) == float("inf")
+    assert model.plain_ahead(8, remaining=[5, 128]) == 63
+    assert model.plain_ahead(4) == 0  # another bucket: unmeasured
+
+
 def test_cost_model_when_the_batch_drains():
     """`CostModel.worth_drafting(..., remaining=)`, by hand: with no request waiting, drafting goes on while the
     row that finishes last would finish sooner with it — most verifications left (remaining / tokens per

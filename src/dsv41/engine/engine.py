@@ -651,7 +651,8 @@ class Engine:
 
     def _lean(self, seqs: list[Sequence]) -> bool:
         """Whether this plain step may leave the feature ring alone: the cost model at the batch's bucket drafts
-        again no sooner than a window of plain steps from now (`CostModel.plain_ahead`), so the drafter will need
+        again no sooner than a window of plain steps from now (`CostModel.plain_ahead`; with no request waiting,
+        with the rows' tokens left, as `_worth_drafting` asks it), so the drafter will need
         none of these positions' features — its catch-up reads at most the last window. The plain step of a
         drafter engine otherwise stores its features (means over streams, stack, scatter: ~7 kernels), on the H100
         on 2026-12-07 (64 rows, bf16) 1.91 ms a step against the plain engine's 1.82. A decision to draft that
@@ -659,7 +660,8 @@ class Engine:
         (`_ring_ready`)."""
         if self._ring_wanted or not self._lean_possible():
             return False
-        return self.cost_model.plain_ahead(bucket(len(seqs), self.buckets)) > self.config.window_size
+        remaining = None if self.scheduler.waiting else [s.params.max_tokens - len(s.output) for s in seqs]
+        return self.cost_model.plain_ahead(bucket(len(seqs), self.buckets), remaining) > self.config.window_size
 
     def _mark_lean(self, seqs: list[Sequence]) -> None:
         """After a lean step appended its position to each row: the ring holds the row's features from the next."""
