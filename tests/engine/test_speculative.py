@@ -579,6 +579,20 @@ def test_the_two_steps_after_prefill_pieces_are_measured_as_mixed():
     assert all(mixed == (n < 2) for mixed, n in log), log
 
 
+def _assert_block_outputs(model, layer: int, ids: list[int], feats, what: str) -> None:
+    """feats (m, dim) are the main model's hidden states at the last m positions of `ids` after block `layer` (its
+    output, the mean over the streams), from a reference forward of the whole sequence; relative error < 1e-4."""
+    ref = {}
+    hook = model.layers[layer].register_forward_hook(
+        lambda mod, args, output: ref.__setitem__("h", output[0].mean(dim=2)[0]))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    hook.remove()
+    want = ref["h"][len(ids) - len(feats):]
+    err = ((feats - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-4, f"{what}: rel err {err:.2e}"
+
+
 @pytest.mark.parametrize("skips", [False, True])
 def test_rows_more_than_a_window_behind_catch_up_on_their_last_window(skips):
     """After more than W plain steps, the first verification hands the drafter each row's last W committed tokens
@@ -627,15 +641,7 @@ def test_rows_more_than_a_window_behind_catch_up_on_their_last_window(skips):
         tokens, feats, skipped = got[seq_id]
         n = len(prompt) + skipped + W  # the drafter saw the prompt at its prefill
         assert tokens.tolist() == (prompt + out)[n - W:n] and feats.shape == (W, c.dim)
-        ref = {}  # the main model's hidden states there: the block's output, mean over the streams
-        hook = model.layers[layer].register_forward_hook(
-            lambda mod, args, output, ref=ref: ref.__setitem__("h", output[0].mean(dim=2)[0]))
-        with torch.no_grad():
-            model(torch.tensor([(prompt + out)[:n]]))
-        hook.remove()
-        want = ref["h"][n - W:n]
-        err = ((feats - want).abs().max() / want.abs().max()).item()
-        assert err < 1e-4, f"sequence {seq_id}: rel err {err:.2e}"
+        _assert_block_outputs(model, layer, (prompt + out)[:n], feats, f"sequence {seq_id}")
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -702,15 +708,7 @@ def test_lean_plain_steps_leave_the_ring_and_the_catch_up_waits_for_a_full_windo
     for b, (seq_id, prompt, out) in enumerate(zip(ids, prompts, outs)):
         n = len(prompt) + skip[b] + W  # the drafter saw the prompt at its prefill
         assert tokens[b].tolist() == (prompt + out)[n - W:n]
-        ref = {}
-        hook = model.layers[layer].register_forward_hook(
-            lambda mod, args, output, ref=ref: ref.__setitem__("h", output[0].mean(dim=2)[0]))
-        with torch.no_grad():
-            model(torch.tensor([(prompt + out)[:n]]))
-        hook.remove()
-        want = ref["h"][n - W:n]
-        err = ((feats[b] - want).abs().max() / want.abs().max()).item()
-        assert err < 1e-4, f"sequence {seq_id}: rel err {err:.2e}"
+        _assert_block_outputs(model, layer, (prompt + out)[:n], feats[b], f"sequence {seq_id}")
 
 
 def test_decides_plain_only_where_a_static_verification_fits():
