@@ -303,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-projection", action="store_true",
                     help="the speculative engine decides at its decode rows' batch while prompts prefill or wait, "
                          "not at the batch they make (Engine.project_batch = False: the comparison)")
+    ap.add_argument("--spec-first", action="store_true",
+                    help="run the speculative engine before the plain one (default: plain first) — each engine is "
+                         "built after the other has run, on the same model")
     ap.add_argument("--no-lean", action="store_true",
                     help="the speculative engine's plain steps always store their features for the drafter, also far "
                          "from its next draft (Engine.lean_plain = False: the comparison)")
@@ -373,13 +376,6 @@ def main(argv: list[str] | None = None) -> int:
     for B in args.batches:
         prompts = (text[:R * B] if text else
                    torch.randint(3, c.vocab_size, (R * B, args.prompt_len), generator=g).tolist())
-        plain = Engine(model, max_batch=B, max_seq_len=max_seq_len, prefill_layers=None,
-                       overlap={"auto": None, "on": True, "off": False}[args.plain_overlap])
-        report["plain_overlap"] = plain.overlap
-        warm_s = {"plain": plain.warm_up()}  # every prefill shape compiled, every decode graph captured
-        settle()
-        base = decode_run(plain, prompts, args.new_tokens, args.device, args.profile_steps, None, B)
-        del plain
         try:
             kind = "oracle" if args.drafter == "noisy" else args.drafter
             inner = build_drafter(kind, model, checkpoint=args.checkpoint, k=args.draft_tokens, max_sequences=B,
@@ -392,22 +388,42 @@ def main(argv: list[str] | None = None) -> int:
         drafter = TimedDrafter(inner, sync if args.sync_drafter else (lambda: None), not args.host_accept)
         if args.no_prelaunch:
             drafter.pure_propose = False
-        t0 = time.perf_counter()
-        spec_engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate,
-                             prefill_layers=None, overlap={"auto": None, "on": True, "off": False}[args.spec_overlap],
-                             spec_beside_prefill=args.spec_beside_prefill)
-        report["spec_overlap"] = spec_engine.overlap
-        report["spec_beside_prefill"] = args.spec_beside_prefill
-        spec_engine.project_batch = not args.no_projection
-        report["project_batch"] = spec_engine.project_batch
-        spec_engine.lean_plain = not args.no_lean
-        report["lean_plain"] = spec_engine.lean_plain
-        report["prelaunch"] = drafter.pure_propose
-        report["device_accept"] = hasattr(drafter, "observe_many_device")
-        profile_s = time.perf_counter() - t0
-        warm_s["speculative"] = spec_engine.warm_up()
-        settle()
-        spec = decode_run(spec_engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter, B)
+        warm_s = {}
+
+        def plain_run() -> dict:
+            plain = Engine(model, max_batch=B, max_seq_len=max_seq_len, prefill_layers=None,
+                           overlap={"auto": None, "on": True, "off": False}[args.plain_overlap])
+            report["plain_overlap"] = plain.overlap
+            warm_s["plain"] = plain.warm_up()  # every prefill shape compiled, every decode graph captured
+            settle()
+            return decode_run(plain, prompts, args.new_tokens, args.device, args.profile_steps, None, B)
+
+        def spec_run(drafter: TimedDrafter) -> tuple[dict, Engine, float]:
+            t0 = time.perf_counter()
+            engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate,
+                            prefill_layers=None, overlap={"auto": None, "on": True, "off": False}[args.spec_overlap],
+                            spec_beside_prefill=args.spec_beside_prefill)
+            report["spec_overlap"] = engine.overlap
+            report["spec_beside_prefill"] = args.spec_beside_prefill
+            engine.project_batch = not args.no_projection
+            report["project_batch"] = engine.project_batch
+            engine.lean_plain = not args.no_lean
+            report["lean_plain"] = engine.lean_plain
+            report["prelaunch"] = drafter.pure_propose
+            report["device_accept"] = hasattr(drafter, "observe_many_device")
+            profile = time.perf_counter() - t0
+            warm_s["speculative"] = engine.warm_up()
+            settle()
+            return decode_run(engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter, B), \
+                engine, profile
+
+        if args.spec_first:  # the order's bias, if any, the other way round
+            spec, spec_engine, profile_s = spec_run(drafter)
+            base = plain_run()
+        else:
+            base = plain_run()
+            spec, spec_engine, profile_s = spec_run(drafter)
+        report["order"] = "speculative first" if args.spec_first else "plain first"
         st = spec_engine.stats.speculative
         plain_out, spec_out = base.pop("outputs"), spec.pop("outputs")
         same = sum(a == b for a, b in zip(plain_out, spec_out))

@@ -16,7 +16,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "sample"
 def test_a_cpu_run_writes_both_engines_windows(tmp_path):
     rc = speculative.main(["--device", "cpu", "--preset", "tiny", "--batches", "2", "--prompt-len", "8",
                            "--new-tokens", "4", "--out", str(tmp_path), "--tag", "t", "--spec-beside-prefill", "1",
-                           "--speculate", "always"])  # (auto decides by CPU timings: noise)
+                           "--speculate", "always", "--spec-first"])  # (auto decides by CPU timings: noise)
     assert rc == 0
     (path,) = tmp_path.glob("speculative-*-t.json")
     report = json.loads(path.read_text())
@@ -24,7 +24,8 @@ def test_a_cpu_run_writes_both_engines_windows(tmp_path):
     (run,) = report["runs"]
     assert run["batch"] == 2 and run["lossless_requests"] == "2/2"  # the oracle drafter is the model: greedy equal
     assert set(run["warm_up_s"]) == {"plain", "speculative"} and all(s > 0 for s in run["warm_up_s"].values())
-    assert report["project_batch"] is True
+    assert report["project_batch"] is True and report["lean_plain"] is True
+    assert report["order"] == "speculative first"
     for name in ("plain", "speculative"):
         r = run[name]
         assert r["closed_tokens"] == 2 * 4 and isinstance(r["stalls"], list)
