@@ -6,12 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 # two pytest-xdist workers, whole files per worker (module fixtures built once): the CI box has 2
 # cores and much of the suite is single-threaded Python (the Triton interpreter, the engine loop)
-# with no arguments: the longest files first (a worker takes whole files in the order they are collected, so a long
-# file collected last ran alone at the end: 2026-12-07, test_compile.py's ~210 s; pytest drops the repeats of `tests`)
-if [ "$#" -eq 0 ]; then
-  set -- tests/train/test_compile.py tests/engine/test_engine_kernels.py tests/train/test_trainer.py \
-    tests/parallel/test_combined.py tests
-fi
 .venv/bin/python -m pytest -q --durations=15 -n "${DSV41_TEST_WORKERS:-2}" --dist loadfile "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
