@@ -711,6 +711,41 @@ def test_lean_plain_steps_leave_the_ring_and_the_catch_up_waits_for_a_full_windo
         _assert_block_outputs(model, layer, (prompt + out)[:n], feats[b], f"sequence {seq_id}")
 
 
+def test_a_draining_batch_that_will_not_probe_again_steps_lean():
+    """Within a window of its next probe, a batch with no request waiting still steps lean once its slowest row has
+    less than twice the probe's wait left (`CostModel.plain_ahead(slowest=)`: such a batch never probes again),
+    and not before."""
+    model = engine_test_model(58)
+    c = model.config
+    W = c.window_size
+    g = torch.Generator().manual_seed(58)
+    prompts = [torch.randint(3, c.vocab_size, (n,), generator=g).tolist() for n in (7, 11)]
+
+    class Wanting(NoisyDrafter):
+        def features_wanted(self):
+            return [c.n_layers - 1]
+
+    engine = Engine(model, max_batch=2, max_seq_len=4 * W, step_time=FLAT,
+                    drafter=Wanting(c.vocab_size, 3, base=None, noise=0.5))
+    cm = engine.cost_model
+    cm.times[("spec", 2)] = [1.0] * cm.warmup
+    cm.probe_gap[2] = W  # the next probe never more than a window away
+    engine._worth_drafting = lambda seqs: False
+    decode, lean, left = engine.runner.decode, [], []
+
+    def counted(io, B, n_max, *, features=True):
+        if io is engine.io:
+            lean.append(not features)
+            left.append(max(s.params.max_tokens - len(s.output) for s in engine.scheduler.running))
+        return decode(io, B, n_max, features=features)
+
+    engine.runner.decode = counted
+    _run(engine, prompts, [2 * W + 20] * 2)
+    assert sum(n >= 2 * W for n in left) >= 10 and sum(lean) >= W  # both kinds of step were there
+    assert not any(x for x, n in zip(lean, left) if n >= 2 * W)  # the batch might still probe: its rings full
+    assert all(x for x, n in zip(lean[2:], left[2:]) if n < 2 * W)  # it never will: lean
+
+
 def test_decides_plain_only_where_a_static_verification_fits():
     """`Engine._decides_plain` (asked before every overlapped plain step): plain where the cost model says so and
     every row's block of k + 1 positions fits max_seq_len (`_verify_caps`' batch bound ≥ k); a row past that goes
@@ -777,8 +812,8 @@ def test_plain_ahead_counts_the_plain_steps_to_the_next_probe():
     model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)  # the probe loses: the next waits 64
     model.record("plain", 8, 8, 8 * 0.001, 8)
     assert model.plain_ahead(8) == 63
-    assert model.plain_ahead(8, remaining=[5, 127]) == float("inf")
-    assert model.plain_ahead(8, remaining=[5, 128]) == 63
+    assert model.plain_ahead(8, slowest=127) == float("inf")
+    assert model.plain_ahead(8, slowest=128) == 63
     assert model.plain_ahead(4) == 0  # another bucket: unmeasured
 
 

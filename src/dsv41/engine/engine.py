@@ -660,8 +660,14 @@ class Engine:
         (`_ring_ready`)."""
         if self._ring_wanted or not self._lean_possible():
             return False
-        remaining = None if self.scheduler.waiting else [s.params.max_tokens - len(s.output) for s in seqs]
-        return self.cost_model.plain_ahead(bucket(len(seqs), self.buckets), remaining) > self.config.window_size
+        here, W = bucket(len(seqs), self.buckets), self.config.window_size
+        if self.cost_model.plain_ahead(here) > W:
+            return True
+        if self.scheduler.waiting:
+            return False
+        # within a window of the next probe (or past it): whether the batch, draining, will probe at all — the rows'
+        # tokens left counted only here, not before every plain step
+        return self.cost_model.plain_ahead(here, max(s.params.max_tokens - len(s.output) for s in seqs)) > W
 
     def _mark_lean(self, seqs: list[Sequence]) -> None:
         """After a lean step appended its position to each row: the ring holds the row's features from the next."""

@@ -241,18 +241,18 @@ class CostModel:
             return None
         return self._mean_rate(rows) / self.median("spec", bucket) > 1 / self.plain_estimate(bucket)
 
-    def plain_ahead(self, bucket: int, remaining: Sequence[int] | None = None) -> float:
+    def plain_ahead(self, bucket: int, slowest: int | None = None) -> float:
         """Plain steps `bucket` takes before it next drafts, as far as its measurements tell: the probe's wait less
         the plain steps since its last speculative step — 0 where its speculative steps are not measured yet (it
-        would draft to measure them) or its last step drafted; infinite for a draining batch (`remaining`: each
-        row's tokens left) whose slowest row has less than twice the wait left, which never probes again
+        would draft to measure them) or its last step drafted; infinite for a draining batch whose slowest row
+        (`slowest`: the most tokens a row has left) has less than twice the wait left, which never probes again
         (`worth_drafting`). A decision to draft may still come sooner (a batch that drains, measurements that
         change): the engine's lean plain steps are ready for that (`Engine._lean`)."""
         run = self.plain_run.get(bucket, 0)
         if not run or len(self.times.get(("spec", bucket), [])) < self.warmup:
             return 0
         gap = self.probe_gap.get(bucket, self.probe_every)
-        if remaining and max(remaining) < 2 * gap:
+        if slowest is not None and slowest < 2 * gap:
             return float("inf")
         return gap - run
 
