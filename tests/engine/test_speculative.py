@@ -764,8 +764,9 @@ def test_decides_plain_only_where_a_static_verification_fits():
 
 def test_a_probe_that_loses_doubles_the_wait_for_the_next():
     """Probes back off: after 32 plain steps the model drafts once; if the decision stays plain, the next probe
-    comes after 64, then 128 (up to probe_max); a decision to draft on the measurements resets the wait to 32."""
-    model = CostModel(FLAT, probe_max=128)
+    comes after 64, then 128 (up to probe_max); a decision to draft on the measurements resets the wait to 32.
+    (probe_budget=None: doubling alone; the budget's longer waits: the next test.)"""
+    model = CostModel(FLAT, probe_max=128, probe_budget=None)
     for _ in range(3):
         model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)  # 500 tokens/s per row
     for _ in range(3):
@@ -789,12 +790,48 @@ def test_a_probe_that_loses_doubles_the_wait_for_the_next():
     assert plain_steps_until_probe() == 32
 
 
+@pytest.mark.parametrize("budget", [0.01, 0.05])
+def test_a_probe_waits_until_its_loss_is_within_the_budget_of_the_plain_time(budget):
+    """After a probe the wait is the larger of twice the last one and the plain steps whose time its loss is
+    `probe_budget` of — loss: the probe's time less what plain steps take for its tokens. Counted by hand: plain
+    steps of 8 rows at 1 ms per row (8 ms a step, 1 ms a token); a probe of 8 rows emitting 16 tokens in 8 × 4.5 ms
+    = 36 ms loses 36 − 16 = 20 ms, which is `budget` of 20 / (8 × budget) plain steps. A probe that loses nothing
+    just doubles the wait; the wait never passes probe_max."""
+    model = CostModel(FLAT, probe_max=4096, probe_budget=budget)
+    for _ in range(3):
+        model.record("spec", 8, 8, 8 * 0.0045, 8 * 2.0)
+        model.record("plain", 8, 8, 8 * 0.001, 8)
+    assert not model.worth_drafting(8)  # plain wins: 2 tokens per 4.5 ms against 1 per ms
+    for _ in range(32):
+        model.record("plain", 8, 8, 8 * 0.001, 8)
+    assert model.worth_drafting(8)  # the probe's turn
+    model.record("spec", 8, 8, 8 * 0.0045, 8 * 2.0)
+    expected = round(0.020 / (8 * 0.001 * budget))  # 250 plain steps at 1 %, 50 at 5 %
+    assert model.probe_gap[8] == max(64, expected)
+    model.record("plain", 8, 8, 8 * 0.001, 8)
+    assert model.plain_ahead(8) == max(64, expected) - 1  # what the engine's lean steps count down
+    # a probe that costs what its tokens cost plain: twice the wait
+    model.probe_gap[8] = 40
+    for _ in range(40):
+        model.record("plain", 8, 8, 8 * 0.001, 8)
+    model.record("spec", 8, 8, 16 * 0.001, 16)
+    assert model.probe_gap[8] == 80
+    # a probe far slower: capped
+    model.probe_gap[8] = 40
+    for _ in range(40):
+        model.record("plain", 8, 8, 8 * 0.001, 8)
+    model.record("spec", 8, 8, 100.0, 16)
+    assert model.probe_gap[8] == 4096
+    with pytest.raises(ValueError, match="probe_budget"):
+        CostModel(FLAT, probe_budget=0.0)
+
+
 def test_plain_ahead_counts_the_plain_steps_to_the_next_probe():
     """`CostModel.plain_ahead` (the engine's lean plain steps): 0 while a bucket's speculative steps are unmeasured
     or its last step drafted; else the probe's wait less the plain steps since — counted down to the step where
     `worth_drafting` probes; infinite for a draining batch whose slowest row has less than twice the wait left
     (which `worth_drafting` never probes)."""
-    model = CostModel(FLAT)
+    model = CostModel(FLAT, probe_budget=None)  # waits that double (the budget's: the test above)
     assert model.plain_ahead(8) == 0
     model.record("spec", 8, 8, 8 * 0.004, 8 * 2.0)
     model.record("plain", 8, 8, 8 * 0.001, 8)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -129,13 +130,21 @@ class CostModel:
     steps scaled by the profiled step-time curve, or the curve); after `probe_every` plain steps in a row it drafts
     once again (acceptance changes). A probe that does not turn the decision doubles the wait before the next one in
     its bucket (up to `probe_max`: a probe costs about two plain steps at batch 64 — 9.05 vs 5.09 ms on 2026-12-03 —,
-    so one every 33 steps added 2.4 % to a batch that stays plain); a decision to draft on the measurements brings
-    it back to `probe_every`."""
+    so one every 33 steps added 2.4 % to a batch that stays plain), or makes it longer still where the probe lost
+    more than `probe_budget` of the plain steps' time until the next one would (its time less its tokens' time at the
+    plain rate: on the H100 on 2026-12-07 a probe of 64 rows after a long plain run took 13–14.5 ms for ~180
+    tokens, ~9 ms more than plain steps, and the lean steps before it stored the features of a window again —
+    doubling alone put three such probes into a closed batch of 1,024 tokens, ~2 % of its time); a decision to
+    draft on the measurements brings it back to `probe_every`."""
 
     def __init__(self, step_time: Callable[[int], float], *, warmup: int = 2, window: int = 5,
-                 probe_every: int = 32, probe_max: int = 1024, smoothing: float = 0.1):
+                 probe_every: int = 32, probe_max: int = 1024, smoothing: float = 0.1,
+                 probe_budget: float | None = 0.01):
         self.step_time, self.warmup, self.window = step_time, warmup, window
         self.probe_every, self.probe_max, self.smoothing = probe_every, max(probe_max, probe_every), smoothing
+        if probe_budget is not None and not probe_budget > 0:
+            raise ValueError(f"probe_budget must be > 0 or None, got {probe_budget!r}")
+        self.probe_budget = probe_budget
         self.reset()
 
     def reset(self) -> None:
@@ -160,7 +169,8 @@ class CostModel:
         self.steps[key] = self.steps.get(key, 0) + 1
         gap = self.probe_gap.get(bucket, self.probe_every)
         if kind == "spec" and self.plain_run.get(bucket, 0) >= gap:  # a probe: the next one waits twice as long
-            self.probe_gap[bucket] = min(2 * gap, self.probe_max)  # (a decision to draft resets it)
+            self.probe_gap[bucket] = min(self._next_gap(gap, bucket, rows, seconds, tokens), self.probe_max)
+            # (a decision to draft resets it)
         self.plain_run[bucket] = self.plain_run.get(bucket, 0) + 1 if kind == "plain" else 0
         if self.steps[key] == 1:
             return  # the first step of a kind captures graphs
@@ -170,6 +180,15 @@ class CostModel:
         if kind == "spec":
             n = tokens / rows
             self.tokens = n if self.tokens is None else (1 - self.smoothing) * self.tokens + self.smoothing * n
+
+    def _next_gap(self, gap: int, bucket: int, rows: int, seconds: float, tokens: int) -> int:
+        """The wait after a probe of `rows` rows that took `seconds` for `tokens`: twice `gap`, or the plain steps
+        whose time the probe's loss is `probe_budget` of (loss: its time less its tokens' at the plain rate)."""
+        if self.probe_budget is None:
+            return 2 * gap
+        per_token = self.plain_estimate(bucket)  # a plain step emits a token per row
+        loss = seconds - tokens * per_token
+        return max(2 * gap, math.ceil(loss / (self.probe_budget * rows * per_token)))
 
     @staticmethod
     def row_average(previous: float | None, tokens: int) -> float:
