@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -240,6 +241,16 @@ def divergences(model, prompts: list[list[int]], plain: list[list[int]], spec: l
     return out
 
 
+def parting(a: list[list[int]], b: list[list[int]]) -> list[int]:
+    """Per pair of outputs that differ, the first position where they do (the shorter one's length if one is the
+    other's prefix)."""
+    out = []
+    for x, y in zip(a, b):
+        if x != y:
+            out.append(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y))))
+    return out
+
+
 def text_prompts(data: Path, length: int, n: int) -> list[list[int]]:
     """n prompts of `length` tokens: windows of the corpus's validation documents, starting every length / 8 tokens
     (overlapping: `data/sample` holds 11 disjoint windows of 512, 87 of these), n of them spread evenly over all
@@ -306,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-first", action="store_true",
                     help="run the speculative engine before the plain one (default: plain first) — each engine is "
                          "built after the other has run, on the same model")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="timed runs of each engine, alternating which goes first (plain, spec, spec, plain, …: a "
+                         "drift of the device's speed over the run — clocks, heat — falls on both alike); the "
+                         "ratios are reported per round and as medians, the first round's runs in full")
     ap.add_argument("--no-lean", action="store_true",
                     help="the speculative engine's plain steps always store their features for the drafter, also far "
                          "from its next draft (Engine.lean_plain = False: the comparison)")
@@ -390,15 +405,15 @@ def main(argv: list[str] | None = None) -> int:
             drafter.pure_propose = False
         warm_s = {}
 
-        def plain_run() -> dict:
+        def build_plain() -> Engine:
             plain = Engine(model, max_batch=B, max_seq_len=max_seq_len, prefill_layers=None,
                            overlap={"auto": None, "on": True, "off": False}[args.plain_overlap])
             report["plain_overlap"] = plain.overlap
             warm_s["plain"] = plain.warm_up()  # every prefill shape compiled, every decode graph captured
             settle()
-            return decode_run(plain, prompts, args.new_tokens, args.device, args.profile_steps, None, B)
+            return plain
 
-        def spec_run(drafter: TimedDrafter) -> tuple[dict, Engine, float]:
+        def build_spec() -> tuple[Engine, float]:
             t0 = time.perf_counter()
             engine = Engine(model, max_batch=B, max_seq_len=max_seq_len, drafter=drafter, speculate=args.speculate,
                             prefill_layers=None, overlap={"auto": None, "on": True, "off": False}[args.spec_overlap],
@@ -414,22 +429,49 @@ def main(argv: list[str] | None = None) -> int:
             profile = time.perf_counter() - t0
             warm_s["speculative"] = engine.warm_up()
             settle()
-            return decode_run(engine, prompts, args.new_tokens, args.device, args.profile_steps, drafter, B), \
-                engine, profile
+            return engine, profile
 
-        if args.spec_first:  # the order's bias, if any, the other way round
-            spec, spec_engine, profile_s = spec_run(drafter)
-            base = plain_run()
-        else:
-            base = plain_run()
-            spec, spec_engine, profile_s = spec_run(drafter)
+        # each engine is built (and warmed up) just before its first run: the first one built compiles the kernels
+        engines: dict[str, Engine] = {}
+        profile_s = 0.0
+
+        def timed(kind: str) -> dict:
+            nonlocal profile_s
+            if kind not in engines:
+                if kind == "plain":
+                    engines[kind] = build_plain()
+                else:
+                    engines[kind], profile_s = build_spec()
+            return decode_run(engines[kind], prompts, args.new_tokens, args.device, args.profile_steps,
+                              drafter if kind == "spec" else None, B)
+
+        first = ("spec", "plain") if args.spec_first else ("plain", "spec")
+        rounds = []
+        for i in range(args.rounds):  # ABBA: the order alternates round by round
+            runs = {kind: timed(kind) for kind in (first if i % 2 == 0 else first[::-1])}
+            rounds.append(runs)
+        ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+        same = lambda a, b: sum(x == y for x, y in zip(a["outputs"], b["outputs"]))  # noqa: E731
+        per_round = [{"first": next(iter(r)), "closed_speedup": ratio(r["plain"]["closed_s"], r["spec"]["closed_s"]),
+                      "speedup": ratio(r["spec"]["tokens_per_s"], r["plain"]["tokens_per_s"]),
+                      "plain_closed_s": r["plain"]["closed_s"], "spec_closed_s": r["spec"]["closed_s"],
+                      "plain_tokens_per_s": r["plain"]["tokens_per_s"], "spec_tokens_per_s": r["spec"]["tokens_per_s"],
+                      "lossless_requests": same(r["plain"], r["spec"]),
+                      # where the outputs that differ part (bf16 near ties part late), and each engine against its
+                      # own first round (an engine reused must decode its requests as before)
+                      "parting_positions": parting(r["plain"]["outputs"], r["spec"]["outputs"]),
+                      "plain_as_round_1": same(r["plain"], rounds[0]["plain"]),
+                      "spec_as_round_1": same(r["spec"], rounds[0]["spec"])}
+                     for r in rounds]
+        base, spec = rounds[0]["plain"], rounds[0]["spec"]
+        spec_engine = engines["spec"]
         report["order"] = "speculative first" if args.spec_first else "plain first"
+        report["rounds"] = args.rounds
         st = spec_engine.stats.speculative
         plain_out, spec_out = base.pop("outputs"), spec.pop("outputs")
-        same = sum(a == b for a, b in zip(plain_out, spec_out))
-        ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+        n_same = sum(a == b for a, b in zip(plain_out, spec_out))
         run = {"batch": B, "requests": len(prompts), "plain": base, "speculative": spec,
-               "lossless_requests": f"{same}/{len(prompts)}",
+               "lossless_requests": f"{n_same}/{len(prompts)}",
                "divergences": divergences(model, prompts, plain_out, spec_out),
                "speedup": ratio(spec["tokens_per_s"], base["tokens_per_s"]),
                "steady_speedup": ratio(spec["steady_tokens_per_s"], base["steady_tokens_per_s"]),
@@ -446,9 +488,14 @@ def main(argv: list[str] | None = None) -> int:
                             in list(spec_engine.cost_model.timeline)[:spec["window_steps"]]],
                "verify_graphs": spec_engine.vgraphs.captures if spec_engine.vgraphs is not None else 0,
                "profile_s": profile_s, "warm_up_s": warm_s}
+        if args.rounds > 1:  # every round's ratios (the full runs above are the first round's)
+            run["rounds"] = per_round
+            for key in ("closed_speedup", "speedup"):
+                run[f"median_{key}"] = statistics.median(x[key] for x in run["rounds"] if x[key] is not None)
         report["runs"].append(run)
         path.write_text(to_json(report))  # after every batch: a run cut short keeps what it measured
-        del spec_engine, drafter, inner
+        engines.clear()  # the engines, their drafter and runs go before the next batch's (the closures hold names)
+        spec_engine = drafter = inner = rounds = runs = None
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     print(f"wrote {path}")
@@ -462,6 +509,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(r['speedup_excluding_drafter']):>15} "
               f"{fmt(r['gpu_time_ratio_plain_over_spec']):>6} {r['mean_tokens_per_verification']:>9.2f} "
               f"{r['lossless_requests']}")
+    for r in report["runs"]:
+        if "rounds" in r:
+            print(f"batch {r['batch']}, {len(r['rounds'])} rounds (first: "
+                  f"{', '.join(x['first'] for x in r['rounds'])}): x closed "
+                  f"{' '.join(fmt(x['closed_speedup']) for x in r['rounds'])} "
+                  f"(median {fmt(r['median_closed_speedup'])}), "
+                  f"x {' '.join(fmt(x['speedup']) for x in r['rounds'])} (median {fmt(r['median_speedup'])})")
     for r in report["runs"]:
         for name in ("plain", "speculative"):
             st = r[name]["stalls"]
