@@ -267,6 +267,27 @@ def test_decode_with_the_fused_dense_moe_equals_the_unfused_full_forward():
     _batched_decode_equals_full_forward(model, reference, [9, 60], 12)
 
 
+def test_a_second_engine_layout_leaves_the_weights_where_the_first_engines_graphs_read_them():
+    """A second engine on the same model calls `layout_for_graphs` again (a benchmark's plain and speculative
+    engines; a server that rebuilds its engine): every parameter and fused matrix keeps its storage and values.
+    Re-fusing freed the matrices the first engine's CUDA graphs read by address (H100, 2026-12-07: its outputs
+    garbage from the first token, then an illegal memory access)."""
+    from dsv41.engine.engine import layout_for_graphs
+
+    torch.manual_seed(5)
+    model = engine_test_model(5)
+    layout_for_graphs(model, 3)
+    fused = [(layer.attn._fused_a[0], layer.attn._fused_a[0].data_ptr()) for layer in model.layers]
+    fused += [(t, t.data_ptr()) for moe in model.moe_layers() for t in moe._fused[:2]]
+    where = {name: (p.data_ptr(), p.detach().clone()) for name, p in model.named_parameters()}
+    layout_for_graphs(model, 18)  # the second engine: k + 1 = 6 tokens a row
+    assert all(t.data_ptr() == ptr for t, ptr in fused)
+    assert all(layer.attn._fused_a[0] is t for layer, (t, _) in zip(model.layers, fused))
+    for name, p in model.named_parameters():
+        assert p.data_ptr() == where[name][0] and torch.equal(p, where[name][1]), name
+    assert all(moe._fused_ok() for moe in model.moe_layers())
+
+
 def test_dense_piece_tokens_is_the_flop_budget_over_the_extra_experts():
     """`dense_piece_tokens`: DENSE_EXTRA_FLOPS over (E − k) · 6 · dim · inter — by hand, `small` (E 8, k 2, dim
     384, inter 256): 4e9 // 3,538,944 = 1,130 tokens; the release's widths: none; no extra experts: none."""

@@ -209,3 +209,33 @@ def test_overlapped_logprob_rows_on_cuda_equal_the_waiting_engines():
     got, overlapped = outputs_with_logprobs(Engine(model, max_batch=4, overlap=True), prompts, params)
     assert overlapped > 10
     assert_same_outputs(want, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_engine_decodes_as_before_after_a_second_engine_is_built_on_its_model(dtype):
+    """Two engines on one model (the speculative benchmark's rounds; a server that rebuilds its engine): the second
+    one's `layout_for_graphs` must leave the weights the first one's captured graphs read by address where they are
+    (2026-12-07, H100: re-fusing freed them — the first engine's outputs garbage from their first token, then an
+    illegal memory access). The first engine's greedy outputs, graph-replayed, before and after are equal token for
+    token (the same engine and batch: deterministic)."""
+    from dsv41.engine.speculative import NoisyDrafter
+
+    torch.manual_seed(56)
+    model = engine_test_model(56).to("cuda", dtype)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(56)
+    prompts = [torch.randint(3, V, (n,), generator=g).tolist() for n in (12, 90, 200)]
+
+    def outputs(engine):
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        return [s.output for s in seqs]
+
+    first = Engine(model, max_batch=4)
+    assert first.graphs is not None
+    want = outputs(first)
+    second = Engine(model, max_batch=8, drafter=NoisyDrafter(V, 3), step_time=lambda n: 1e-3)  # 8 × 4 tokens a row
+    outputs(second)
+    torch.cuda.synchronize()
+    assert outputs(first) == want

@@ -276,7 +276,11 @@ class Attention(nn.Module):
         """Lay wq_a and wkv out as one (q_lora_rank + head_dim, dim) matrix, the two weights views into it (the
         state dict unchanged, in-place updates seen by both), so that `project` is one GEMM instead of two (the
         engine: one kernel fewer per layer of every step). Plain weights of one dtype and device only; False
-        otherwise. A cast or a reassigned weight undoes it (`project` checks)."""
+        otherwise. A cast or a reassigned weight undoes it (`project` checks). Idempotent: a fused matrix stays
+        where it is (an engine's CUDA graphs read it by address; a second engine on the same model calls this
+        again — `MoE.fuse_dense`)."""
+        if self._fused_a_ok():
+            return True
         a, kv = self.wq_a.weight, self.wkv.weight
         if type(a) is not nn.Parameter or type(kv) is not nn.Parameter or (a.dtype, a.device) != (kv.dtype, kv.device):
             return False

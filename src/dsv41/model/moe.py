@@ -410,7 +410,12 @@ class MoE(nn.Module):
         GEMM, a SwiGLU, one batched GEMM and a sum — 5 kernels instead of 10 (the engine's decode steps and
         small prefill pieces; `Engine` calls it where it sets `dense_tokens`). Same function and rounding steps
         as the unfused dense path (each expert's product rounded to the compute dtype, fp32 sum) up to the fp32
-        sum's order. Only plain weights of one dtype (not the release's FP8 / MXFP4 modules); False otherwise."""
+        sum's order. Only plain weights of one dtype (not the release's FP8 / MXFP4 modules); False otherwise.
+        Idempotent: weights laid out already stay where they are — an engine's CUDA graphs read them by address,
+        and a second engine on the same model must not free them (H100, 2026-12-07: the first engine's outputs
+        turned to garbage from their first token, then an illegal memory access)."""
+        if self._fused_ok():
+            return True
         ex, sh = self.experts, self.shared_experts
         if not isinstance(ex, GroupedExperts) or not isinstance(sh, Expert) or ex.inter_dim != sh.w1.out_features \
                 or ex.swiglu_limit != sh.swiglu_limit:
