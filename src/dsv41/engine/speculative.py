@@ -184,9 +184,9 @@ class CostModel:
     def _next_gap(self, gap: int, bucket: int, rows: int, seconds: float, tokens: int) -> int:
         """The wait after a probe of `rows` rows that took `seconds` for `tokens`: twice `gap`, or the plain steps
         whose time the probe's loss is `probe_budget` of (loss: its time less its tokens' at the plain rate)."""
-        if self.probe_budget is None:
-            return 2 * gap
         per_token = self.plain_estimate(bucket)  # a plain step emits a token per row
+        if self.probe_budget is None or not per_token > 0:
+            return 2 * gap
         loss = seconds - tokens * per_token
         return max(2 * gap, math.ceil(loss / (self.probe_budget * rows * per_token)))
 
