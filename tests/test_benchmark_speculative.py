@@ -46,6 +46,34 @@ def test_a_cpu_run_writes_both_engines_windows(tmp_path):
     assert run["mean_tokens_per_verification"] > 1  # drafts were accepted
 
 
+def test_steps_inside_cost_model_kept_leave_the_decisions_as_they_were():
+    """The benchmark's profiled steps (torch.profiler slows the host ~2×) must not enter the cost model that decides
+    the next round: everything it measured inside `cost_model_kept` is gone after it, what it measured before kept."""
+    import torch
+    from tests.conftest import engine_test_model
+
+    from dsv41.engine.engine import Engine
+    from dsv41.engine.sampling import SamplingParams
+    from dsv41.engine.speculative import NoisyDrafter
+
+    model = engine_test_model(57)
+    engine = Engine(model, max_batch=2, max_seq_len=96, drafter=NoisyDrafter(model.config.vocab_size, 2),
+                    step_time=lambda n: 1e-3)
+    engine._measure("plain", 2, 0.002, 2)
+    engine._measure("plain", 2, 0.002, 2)
+    before = (dict(engine.cost_model.times), dict(engine.cost_model.steps), list(engine.cost_model.timeline))
+    g = torch.Generator().manual_seed(57)
+    with speculative.cost_model_kept(engine):
+        seqs = [engine.add_request(torch.randint(3, 100, (9,), generator=g).tolist(), SamplingParams(max_tokens=12))
+                for _ in range(2)]
+        while engine.has_work():
+            engine.step()
+        assert len(engine.cost_model.timeline) > len(before[2])  # the steps inside were measured …
+    assert all(len(s.output) == 12 for s in seqs)
+    cm = engine.cost_model
+    assert (cm.times, cm.steps, list(cm.timeline)) == before  # … and are gone
+
+
 def test_parting_positions():
     assert speculative.parting([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9], [6, 7]]) == [1, 1]
 
