@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="timed runs of each engine, alternating which goes first (plain, spec, spec, plain, …: a "
                          "drift of the device's speed over the run — clocks, heat — falls on both alike); the "
-                         "ratios are reported per round and as medians, the first round's runs in full")
+                         "ratios are reported per round and as medians, the first round's runs in full (the "
+                         "speculative engine's statistics and cost model: over every round)")
     ap.add_argument("--no-lean", action="store_true",
                     help="the speculative engine's plain steps always store their features for the drafter, also far "
                          "from its next draft (Engine.lean_plain = False: the comparison)")
@@ -389,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     max_seq_len = args.prompt_len + args.new_tokens + args.draft_tokens + 8
     if args.requests_per_slot < 1:
         print("speculative: --requests-per-slot must be >= 1", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print("speculative: --rounds must be >= 1", file=sys.stderr)
         return 2
     R = args.requests_per_slot
     report["requests_per_slot"] = R
@@ -457,8 +461,12 @@ def main(argv: list[str] | None = None) -> int:
                     engines[kind] = build_plain()
                 else:
                     engines[kind], profile_s = build_spec()
-            return decode_run(engines[kind], prompts, args.new_tokens, args.device, args.profile_steps,
-                              drafter if kind == "spec" else None, B)
+            result = decode_run(engines[kind], prompts, args.new_tokens, args.device, args.profile_steps,
+                                drafter if kind == "spec" else None, B)
+            if kind == "spec":  # kind, bucket, rows, ms, tokens per step of its decode window (not the profiled steps)
+                result["timeline"] = [[k, b, rows, round(sec * 1e3, 3), n] for k, b, rows, sec, n
+                                      in list(engines[kind].cost_model.timeline)[:result["window_steps"]]]
+            return result
 
         first = ("spec", "plain") if args.spec_first else ("plain", "spec")
         rounds = []
@@ -498,9 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                "plain_steps": st.plain_steps, "verification_forwards": st.forwards, "prelaunched": st.prelaunched,
                "chained": st.chained, "chain_cancelled": st.chain_cancelled,
                "cost_model": spec_engine.cost_model.summary(),
-               # kind, bucket, rows, ms, tokens per step of the decode window (not the profiled steps after it)
-               "timeline": [[kind, b, rows, round(sec * 1e3, 3), n] for kind, b, rows, sec, n
-                            in list(spec_engine.cost_model.timeline)[:spec["window_steps"]]],
+               "timeline": spec.pop("timeline"),  # the first round's
                "verify_graphs": spec_engine.vgraphs.captures if spec_engine.vgraphs is not None else 0,
                "profile_s": profile_s, "warm_up_s": warm_s}
         if args.rounds > 1:  # every round's ratios (the full runs above are the first round's)

@@ -74,6 +74,12 @@ def test_steps_inside_cost_model_kept_leave_the_decisions_as_they_were():
     assert (cm.times, cm.steps, list(cm.timeline)) == before  # … and are gone
 
 
+def test_bad_rounds_exit_2(tmp_path, capsys):
+    assert speculative.main(["--device", "cpu", "--preset", "tiny", "--rounds", "0", "--out", str(tmp_path)]) == 2
+    assert "--rounds must be >= 1" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.json"))
+
+
 def test_parting_positions():
     assert speculative.parting([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 9], [6, 7]]) == [1, 1]
 
