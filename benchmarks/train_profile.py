@@ -8,8 +8,10 @@ After warm-up: each phase timed alone with a device sync around it (forward + lo
 optimizer step), the peak memory after the forward and after the backward, then one step under
 `torch.profiler`: GPU-busy time vs wall time, kernel launches, host syncs (`aten::item`,
 `aten::_local_scalar_dense`, `cudaStreamSynchronize`, device → host copies), the top kernels by GPU
-time and the top host ops by self CPU time. Writes benchmarks/results/train_profile-<date>.json on
-CUDA (or --out).
+time and the top host ops by self CPU time; `--by-source` also charges every kernel to the innermost function of
+dsv41's code whose forward launched it — the backward's kernels to the function whose forward made the autograd
+node (matched by the node's sequence number) — and to the phase (forward / backward / optimizer). Writes
+benchmarks/results/train_profile-<date>.json on CUDA (or --out).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -44,6 +47,62 @@ def _peak_gib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
 
 
+def frame_label(stack: list[str]) -> str | None:
+    """Where dsv41's code made an op, from its profiler stack (innermost frame first): the innermost dsv41 frame
+    and the dsv41 frame that called it — 'model/mhc.py:_hc_project_parts < model/mhc.py:forward' — or None."""
+    frames = []
+    for frame in stack:
+        m = re.search(r"dsv41/(.+?\.py)\(\d+\): (\S+)", frame.replace("\\", "/"))
+        if m:
+            frames.append(f"{m.group(1)}:{m.group(2)}")
+            if len(frames) == 2:
+                break
+    return " < ".join(frames) if frames else None
+
+
+def attribute(events, cuda: bool) -> dict[tuple[str, str], list[float]]:
+    """{(phase, source): [ms, kernels]} from a step profiled `with_stack=True` (`prof.events()`).
+
+    Cost: on CUDA the kernels each CPU op launched (their device time), on the CPU the op's self CPU time.
+    An op's source is the innermost frame of dsv41's code in its (or its nearest ancestor's) Python stack
+    (forward). In the backward the autograd node above the op (`autograd::engine::evaluate_function: …`)
+    carries the sequence number of the forward op that made it, whose source is the node's (else the op's own
+    stack: a custom Function's backward). Ops under `Optimizer.step` are the optimizer's (with their source);
+    the rest is '(other)'."""
+    by_seq: dict[int, str] = {}
+
+    def owner(ev) -> tuple[str, str]:
+        node, label = ev, None
+        while node is not None:
+            label = label or frame_label(node.stack or [])
+            if node.name.startswith("autograd::engine::evaluate_function"):
+                return "backward", by_seq.get(node.sequence_nr) or label or "(backward, unmatched)"
+            if node.name.startswith("Optimizer.step"):
+                return "optimizer", node.name.split("#")[-1] + (f" · {label}" if label else "")
+            node = node.cpu_parent
+        return ("forward", label) if label else ("other", "(other)")
+
+    cpu_events = [ev for ev in events if ev.device_type == torch.autograd.DeviceType.CPU]
+    for ev in cpu_events:  # forward ops that made autograd nodes: sequence number → source
+        if ev.sequence_nr >= 0 and not ev.name.startswith("autograd::"):
+            phase, label = owner(ev)
+            if phase == "forward":
+                by_seq.setdefault(ev.sequence_nr, label)
+    out: dict[tuple[str, str], list[float]] = {}
+    for ev in cpu_events:
+        if ev.name.startswith("autograd::engine"):
+            continue
+        if cuda:
+            ms, n = sum(k.duration for k in ev.kernels) / 1e3, len(ev.kernels)  # durations in µs
+        else:
+            ms, n = ev.self_cpu_time_total / 1e3, 1
+        if n:
+            row = out.setdefault(owner(ev), [0.0, 0])
+            row[0] += ms
+            row[1] += n
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small")
@@ -55,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-activations", action="store_true")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--top", type=int, default=25, help="rows of the kernel / host-op tables")
+    ap.add_argument("--by-source", action="store_true",
+                    help="charge each kernel to the dsv41 function (and phase) that launched it (slower)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -119,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
+    # Python stacks of the ops need the verbose experimental config (else they come back empty)
+    stacks = dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) \
+        if args.by_source else {}
+    with profile(activities=activities, **stacks) as prof:
         step()
         _sync(args.device)
     wall = time.perf_counter() - t0
@@ -147,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                               for n, _ in kernel_us.most_common(args.top)],
               "top_host_ops": [{"name": e.key[:90], "self_cpu_ms": e.self_cpu_time_total / 1e3, "count": e.count}
                                for e in host]}
+    if args.by_source:
+        rows = sorted(attribute(prof.events(), cuda).items(), key=lambda kv: -kv[1][0])
+        report["by_source"] = [{"phase": ph, "source": src, "ms": ms, "count": n} for (ph, src), (ms, n) in rows]
     print(f"profiled step: wall {wall * 1e3:.1f} ms, GPU busy {report['gpu_busy_s'] * 1e3:.1f} ms, "
           f"{report['kernel_launches']} kernels, host syncs {dict(syncs)}")
     print("top kernels (GPU ms, launches):")
@@ -155,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     print("top host ops (self CPU ms, calls):")
     for row in report["top_host_ops"]:
         print(f"  {row['self_cpu_ms']:9.2f} {row['count']:6d}  {row['name']}")
+    if args.by_source:
+        total = sum(row["ms"] for row in report["by_source"])
+        print(f"by source ({'GPU' if cuda else 'self CPU'} ms, {'kernels' if cuda else 'ops'}, phase; "
+              f"{total:.1f} ms in all):")
+        for row in report["by_source"][: 3 * args.top]:
+            print(f"  {row['ms']:9.2f} {row['count']:6d}  {row['phase']:9s} {row['source']}")
     out = args.out or (str(RESULTS) if cuda else None)
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
