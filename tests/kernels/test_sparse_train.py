@@ -181,7 +181,8 @@ def test_bad_input_is_a_clear_error():
 
 @pytest.mark.slow
 def test_model_losses_on_the_kernel_equal_the_twin(monkeypatch):
-    """`Transformer.losses(attention="sparse")` with every attention layer on the kernel = on the twin:
+    """`Transformer.losses(attention="sparse")` with every attention layer on the kernel (and every indexer's
+    selected scores on theirs, `kernels/triton/selected_scores.py`) = on the twins:
     LM loss, indexer KL (its target from the kernel's entry logits) and every gradient, fp32, with
     packed documents and a replay start. `tiny` cut to 6 layers (window-only, Full m = 2, Reuse;
     Full m = 1 with the candidate pool, Reuse, Reindex) to keep the interpreter's time short."""
@@ -199,12 +200,13 @@ def test_model_losses_on_the_kernel_equal_the_twin(monkeypatch):
     ws = torch.where(t >= 37, 37, 0).unsqueeze(0)  # (1, T)
 
     def run(kernel: bool):
-        calls = []
+        calls, scores = [], []
         monkeypatch.setattr(ops, "sparse_train_kernel", lambda *a: calls.append(1) or kernel)
+        monkeypatch.setattr(ops, "selected_scores_kernel", lambda *a: scores.append(1) or kernel)
         model.zero_grad(set_to_none=True)
         losses = model.losses(tokens[:, :-1], tokens[:, 1:], doc_ids=doc, window_start=ws, attention="sparse")
         losses.total.backward()
-        assert len(calls) == config.n_layers
+        assert len(calls) == config.n_layers and len(scores) == len(config.index_source_layers)
         return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     lt, gt = run(False)

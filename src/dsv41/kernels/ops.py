@@ -524,3 +524,27 @@ def sparse_train_attention(q: Tensor, window_kv: Tensor, doc_ids: Tensor, window
     (B, T, H, K) fp32, detached — the indexer KL's target). Triton only; see `sparse_train_kernel`."""
     fn = importlib.import_module("dsv41.kernels.triton.sparse_train").sparse_train_attention
     return fn(q, window_kv, doc_ids, window_start, window, entries, index, sink, scale, entry_logits=entry_logits)
+
+
+def selected_scores_kernel(iq: Tensor, index_k: Tensor) -> bool:
+    """Should the indexer's selected-entry scores (training) run the Triton kernels? As `sparse_train_kernel`:
+    backend ``triton`` yes (the interpreter on CPU tensors), ``torch`` or under ``torch.compile`` no (the twin,
+    `model.sparse_attention._SelectedScores`), ``auto`` when Triton is installed, iq is on CUDA and the kernels
+    take the shapes (they have their own backward)."""
+    if torch.compiler.is_compiling():
+        return False
+    forced = _forced()
+    if forced is not None:
+        return forced
+    if not HAVE_TRITON or not iq.is_cuda:
+        return False
+    return importlib.import_module("dsv41.kernels.triton.selected_scores").supported(iq, index_k)
+
+
+def selected_index_scores(iq: Tensor, weights: Tensor, index_k: Tensor, topk: Tensor) -> Tensor:
+    """Σ_h w_h·relu(q_h·k_{topk}) per query and selected entry: iq (B, T, Hi, Di), weights (B, T, Hi), index_k
+    (B, N, Di), topk (B, T, K) (−1 reads row 0) → (B, T, K) fp32, with autograd for iq, weights, index_k. The keys
+    are read by index (no (B, T, K, Di) gather); the backward adds the keys' gradients atomically. Triton only;
+    see `selected_scores_kernel`."""
+    fn = importlib.import_module("dsv41.kernels.triton.selected_scores").selected_index_scores
+    return fn(iq, weights, index_k, topk)

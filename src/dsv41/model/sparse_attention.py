@@ -211,7 +211,10 @@ class _SelectedScores(torch.autograd.Function):
 def selected_index_scores(iq: Tensor, weights: Tensor, index_k: Tensor, topk: Tensor) -> Tensor:
     """Index scores Σ_h w_h·relu(q_h·k_s) of the selected entries only: (B, T, K) fp32, with autograd
     (a custom backward that re-gathers the keys instead of saving them; `selected_index_scores_reference`
-    is the plain autograd form it is tested against)."""
+    is the plain autograd form it is tested against). The Triton kernels when `ops.selected_scores_kernel` says so
+    (CUDA: the keys read by index, no (B, T, K, Di) tensor in either pass)."""
+    if ops.selected_scores_kernel(iq, index_k):
+        return ops.selected_index_scores(iq, weights, index_k, topk)
     return _SelectedScores.apply(iq, weights, index_k, topk)
 
 
