@@ -292,3 +292,25 @@ def test_selected_index_scores_custom_backward_equals_autograd_and_saves_no_gath
         assert err < 1e-5, f"d{name}: relative error {err:.2e}"
     gathered = B * T * K * Di
     assert ref_biggest >= gathered and biggest < gathered, (biggest, ref_biggest, gathered)
+
+
+def test_selected_index_scores_backward_under_cpu_autocast_is_the_fp32_backward():
+    """A CPU backward runs inside the caller's autocast (CUDA's runs on the device thread, without it): the custom
+    backward must not compute in bf16 there — it once crashed (`index_add_` of a bf16 source into the fp32 sum,
+    bf16 training on the CPU). Under autocast its gradients equal the ones taken without autocast from the same
+    forward (fp32 both)."""
+    from dsv41.model.sparse_attention import _SelectedScores
+
+    g = torch.Generator().manual_seed(4)
+    B, T, N, Hi, Di, K = 1, 12, 8, 2, 16, 4
+    iq = torch.randn(B, T, Hi, Di, generator=g).bfloat16().requires_grad_()
+    weights = torch.randn(B, T, Hi, generator=g).requires_grad_()
+    index_k = torch.randn(B, N, Di, generator=g).bfloat16().requires_grad_()
+    topk = torch.randint(-1, N, (B, T, K), generator=g)
+    upstream = torch.randn(B, T, K, generator=g)
+    out = _SelectedScores.apply(iq, weights, index_k, topk)
+    plain = torch.autograd.grad((out * upstream).sum(), (iq, weights, index_k), retain_graph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = torch.autograd.grad((out * upstream).sum(), (iq, weights, index_k))
+    for name, a, b in zip(("iq", "weights", "index_k"), mixed, plain):
+        assert a.dtype == b.dtype and torch.equal(a, b), name

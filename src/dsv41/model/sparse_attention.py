@@ -190,6 +190,13 @@ class _SelectedScores(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        # fp32 as in the forward: a CPU backward runs inside the caller's autocast, whose bf16 einsums would
+        # round the gradients (and index_add_ refuses a bf16 source into the fp32 sum)
+        with torch.autocast(grad.device.type, enabled=False):
+            return _SelectedScores._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad: Tensor):
         iq, weights, index_k, topk, dots = ctx.saved_tensors
         g = grad.float().unsqueeze(2)  # (B, T, 1, K)
         d_weights = (g * dots.relu()).sum(-1).to(weights.dtype) if ctx.needs_input_grad[1] else None  # (B, T, Hi)
