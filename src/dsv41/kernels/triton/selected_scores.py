@@ -82,7 +82,7 @@ def _scores_bwd_kernel(q_ptr, w_ptr, k_ptr, idx_ptr, g_ptr, dq_ptr, dw_ptr, dk_p
         d_dots = tl.where(dots > 0, g[None, :] * w[:, None], 0.0)  # (HP, BLOCK_K)
         dq = tl.dot(d_dots, k, input_precision="ieee") + dq
         dk = tl.dot(tl.trans(d_dots), q, input_precision="ieee")  # (BLOCK_K, D)
-        tl.atomic_add(dk_b + idx[:, None] * D + d[None, :], dk, mask=e_ok[:, None])
+        tl.atomic_add(dk_b + idx[:, None] * D + d[None, :], dk, mask=e_ok[:, None], sem="relaxed")
     row = bt.to(tl.int64) * H + h
     tl.store(dq_ptr + row[:, None] * D + d[None, :], dq, mask=h_ok[:, None])
     tl.store(dw_ptr + row, dw, mask=h_ok)

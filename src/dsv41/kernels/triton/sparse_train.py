@@ -229,7 +229,7 @@ def _entry_bwd_kernel(q_ptr, pool_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_p
         # K = V: the row's gradient is dSᵀ·Q (as a key) + Pᵀ·dO (as a value), summed over the heads
         dk = (tl.dot(tl.trans(ds).to(DT), q, input_precision=PREC)
               + tl.dot(tl.trans(p).to(DT), do, input_precision=PREC))  # (BLOCK_E, D)
-        tl.atomic_add(dpool_b + idx[:, None] * D + d[None, :], dk, mask=ok[:, None])
+        tl.atomic_add(dpool_b + idx[:, None] * D + d[None, :], dk, mask=ok[:, None], sem="relaxed")
     dq_rows = dq_ptr + row[:, None] * D + d[None, :]
     tl.store(dq_rows, dq + tl.load(dq_rows, mask=h_ok[:, None], other=0.0), mask=h_ok[:, None])
 
