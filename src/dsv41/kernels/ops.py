@@ -501,14 +501,20 @@ def sparse_train_kernel(q: Tensor, window_kv: Tensor, entries: Tensor | None) ->
     `model.sparse_attention.attend_sparse`); ``auto``: when Triton is installed, q is on CUDA and the
     kernel takes the shapes. Unlike the inference ops, ``auto`` picks it with gradients too: it has
     its own backward."""
+    return _training_kernel("sparse_train", q, window_kv, entries)
+
+
+def _training_kernel(module: str, first: Tensor, *args: Tensor | None) -> bool:
+    """The training kernels' shared choice: never under torch.compile (it traces the twin), the forced backend's
+    answer, else Triton installed, `first` on CUDA and kernels.triton.<module>.supported(first, *args)."""
     if torch.compiler.is_compiling():
         return False
     forced = _forced()
     if forced is not None:
         return forced
-    if not HAVE_TRITON or not q.is_cuda:
+    if not HAVE_TRITON or not first.is_cuda:
         return False
-    return importlib.import_module("dsv41.kernels.triton.sparse_train").supported(q, window_kv, entries)
+    return importlib.import_module(f"dsv41.kernels.triton.{module}").supported(first, *args)
 
 
 def sparse_train_attention(q: Tensor, window_kv: Tensor, doc_ids: Tensor, window_start: Tensor | None, window: int,
@@ -531,14 +537,7 @@ def selected_scores_kernel(iq: Tensor, index_k: Tensor) -> bool:
     backend ``triton`` yes (the interpreter on CPU tensors), ``torch`` or under ``torch.compile`` no (the twin,
     `model.sparse_attention._SelectedScores`), ``auto`` when Triton is installed, iq is on CUDA and the kernels
     take the shapes (they have their own backward)."""
-    if torch.compiler.is_compiling():
-        return False
-    forced = _forced()
-    if forced is not None:
-        return forced
-    if not HAVE_TRITON or not iq.is_cuda:
-        return False
-    return importlib.import_module("dsv41.kernels.triton.selected_scores").supported(iq, index_k)
+    return _training_kernel("selected_scores", iq, index_k)
 
 
 def selected_index_scores(iq: Tensor, weights: Tensor, index_k: Tensor, topk: Tensor) -> Tensor:

@@ -29,25 +29,39 @@ from dsv41.kernels.triton.common import interpreting, runnable
 
 
 @triton.jit
-def _scores_fwd_kernel(q_ptr, w_ptr, k_ptr, idx_ptr, out_ptr, T, H, K,
-                       s_qb, s_qt, s_qh, s_wb, s_wt, s_kb, s_kn, s_ib, s_it,
-                       D: tl.constexpr, HP: tl.constexpr, BLOCK_K: tl.constexpr, N_KTILES: tl.constexpr):
+def _query(q_ptr, w_ptr, T, H, s_qb, s_qt, s_qh, s_wb, s_wt, D: tl.constexpr, HP: tl.constexpr):
+    """The program's query: (b, t, its heads' rows (HP, D) fp32 — padding rows 0 —, their weights (HP,) fp32)."""
     bt = tl.program_id(0)
     b, t = bt // T, bt % T
     h = tl.arange(0, HP)
     h_ok = h < H
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + t * s_qt + h[:, None] * s_qh + d[None, :],
-                mask=h_ok[:, None], other=0.0).to(tl.float32)  # (HP, D)
-    w = tl.load(w_ptr + b.to(tl.int64) * s_wb + t * s_wt + h, mask=h_ok, other=0.0).to(tl.float32)  # (HP,)
-    idx_row = idx_ptr + b.to(tl.int64) * s_ib + t * s_it
-    k_b = k_ptr + b.to(tl.int64) * s_kb
-    out_row = out_ptr + bt.to(tl.int64) * K
+                mask=h_ok[:, None], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + b.to(tl.int64) * s_wb + t * s_wt + h, mask=h_ok, other=0.0).to(tl.float32)
+    return b, t, q, w
+
+
+@triton.jit
+def _keys(k_ptr, idx_ptr, b, t, j, K, s_kb, s_kn, s_ib, s_it, D: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile j of the query's picks: (positions e, e < K, rows idx (−1 → 0: the twin's clamp), keys (BLOCK_K, D))."""
+    e = j * BLOCK_K + tl.arange(0, BLOCK_K)
+    e_ok = e < K
+    idx = tl.maximum(tl.load(idx_ptr + b.to(tl.int64) * s_ib + t * s_it + e, mask=e_ok, other=0), 0).to(tl.int64)
+    d = tl.arange(0, D)
+    k = tl.load(k_ptr + b.to(tl.int64) * s_kb + idx[:, None] * s_kn + d[None, :], mask=e_ok[:, None],
+                other=0.0).to(tl.float32)
+    return e, e_ok, idx, k
+
+
+@triton.jit
+def _scores_fwd_kernel(q_ptr, w_ptr, k_ptr, idx_ptr, out_ptr, T, H, K,
+                       s_qb, s_qt, s_qh, s_wb, s_wt, s_kb, s_kn, s_ib, s_it,
+                       D: tl.constexpr, HP: tl.constexpr, BLOCK_K: tl.constexpr, N_KTILES: tl.constexpr):
+    b, t, q, w = _query(q_ptr, w_ptr, T, H, s_qb, s_qt, s_qh, s_wb, s_wt, D, HP)
+    out_row = out_ptr + (b.to(tl.int64) * T + t) * K
     for j in range(N_KTILES):
-        e = j * BLOCK_K + tl.arange(0, BLOCK_K)
-        e_ok = e < K
-        idx = tl.maximum(tl.load(idx_row + e, mask=e_ok, other=0), 0).to(tl.int64)  # −1 → row 0 (the twin's clamp)
-        k = tl.load(k_b + idx[:, None] * s_kn + d[None, :], mask=e_ok[:, None], other=0.0).to(tl.float32)
+        e, e_ok, idx, k = _keys(k_ptr, idx_ptr, b, t, j, K, s_kb, s_kn, s_ib, s_it, D, BLOCK_K)
         dots = tl.dot(q, tl.trans(k), input_precision="ieee")  # (HP, BLOCK_K)
         s = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0)  # (BLOCK_K,)
         tl.store(out_row + e, s, mask=e_ok)
@@ -57,25 +71,14 @@ def _scores_fwd_kernel(q_ptr, w_ptr, k_ptr, idx_ptr, out_ptr, T, H, K,
 def _scores_bwd_kernel(q_ptr, w_ptr, k_ptr, idx_ptr, g_ptr, dq_ptr, dw_ptr, dk_ptr, T, H, K,
                        s_qb, s_qt, s_qh, s_wb, s_wt, s_kb, s_kn, s_ib, s_it, s_gb, s_gt, s_dkb,
                        D: tl.constexpr, HP: tl.constexpr, BLOCK_K: tl.constexpr, N_KTILES: tl.constexpr):
-    bt = tl.program_id(0)
-    b, t = bt // T, bt % T
-    h = tl.arange(0, HP)
-    h_ok = h < H
+    b, t, q, w = _query(q_ptr, w_ptr, T, H, s_qb, s_qt, s_qh, s_wb, s_wt, D, HP)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + t * s_qt + h[:, None] * s_qh + d[None, :],
-                mask=h_ok[:, None], other=0.0).to(tl.float32)  # (HP, D)
-    w = tl.load(w_ptr + b.to(tl.int64) * s_wb + t * s_wt + h, mask=h_ok, other=0.0).to(tl.float32)
-    idx_row = idx_ptr + b.to(tl.int64) * s_ib + t * s_it
     g_row = g_ptr + b.to(tl.int64) * s_gb + t * s_gt
-    k_b = k_ptr + b.to(tl.int64) * s_kb
     dk_b = dk_ptr + b.to(tl.int64) * s_dkb
     dq = tl.zeros([HP, D], dtype=tl.float32)
     dw = tl.zeros([HP], dtype=tl.float32)
     for j in range(N_KTILES):
-        e = j * BLOCK_K + tl.arange(0, BLOCK_K)
-        e_ok = e < K
-        idx = tl.maximum(tl.load(idx_row + e, mask=e_ok, other=0), 0).to(tl.int64)
-        k = tl.load(k_b + idx[:, None] * s_kn + d[None, :], mask=e_ok[:, None], other=0.0).to(tl.float32)
+        e, e_ok, idx, k = _keys(k_ptr, idx_ptr, b, t, j, K, s_kb, s_kn, s_ib, s_it, D, BLOCK_K)
         g = tl.load(g_row + e, mask=e_ok, other=0.0).to(tl.float32)  # (BLOCK_K,)
         dots = tl.dot(q, tl.trans(k), input_precision="ieee")  # (HP, BLOCK_K)
         dw += tl.sum(tl.maximum(dots, 0.0) * g[None, :], 1)
@@ -83,9 +86,10 @@ def _scores_bwd_kernel(q_ptr, w_ptr, k_ptr, idx_ptr, g_ptr, dq_ptr, dw_ptr, dk_p
         dq = tl.dot(d_dots, k, input_precision="ieee") + dq
         dk = tl.dot(tl.trans(d_dots), q, input_precision="ieee")  # (BLOCK_K, D)
         tl.atomic_add(dk_b + idx[:, None] * D + d[None, :], dk, mask=e_ok[:, None], sem="relaxed")
-    row = bt.to(tl.int64) * H + h
-    tl.store(dq_ptr + row[:, None] * D + d[None, :], dq, mask=h_ok[:, None])
-    tl.store(dw_ptr + row, dw, mask=h_ok)
+    h = tl.arange(0, HP)
+    row = (b.to(tl.int64) * T + t) * H + h
+    tl.store(dq_ptr + row[:, None] * D + d[None, :], dq, mask=(h < H)[:, None])
+    tl.store(dw_ptr + row, dw, mask=h < H)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
