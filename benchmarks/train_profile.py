@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.by_source:
         rows = sorted(attribute(prof.events(), cuda).items(), key=lambda kv: -kv[1][0])
         report["by_source"] = [{"phase": ph, "source": src, "ms": ms, "count": n} for (ph, src), (ms, n) in rows]
+        report["profiled_with_stacks"] = True  # the profiled step's wall time carries the stack recording
     print(f"profiled step: wall {wall * 1e3:.1f} ms, GPU busy {report['gpu_busy_s'] * 1e3:.1f} ms, "
           f"{report['kernel_launches']} kernels, host syncs {dict(syncs)}")
     print("top kernels (GPU ms, launches):")
