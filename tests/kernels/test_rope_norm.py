@@ -62,6 +62,55 @@ def test_apply_rope_is_a_complex_rotation_and_inverse_undoes_it():
     torch.testing.assert_close(apply_rope(apply_rope(x, cos, sin), cos, sin, inverse=True), x, rtol=1e-6, atol=1e-6)
 
 
+def _complex_rope64(x: torch.Tensor, cos, sin, inverse: bool) -> torch.Tensor:
+    """The rotation written as complex products in fp64 (independent of `apply_rope`), differentiable."""
+    R = 2 * cos.size(-1)
+    angle = torch.atan2(sin.double(), cos.double()) * (-1.0 if inverse else 1.0)
+    if x.dim() == cos.dim() + 1:
+        angle = angle.unsqueeze(-2)
+    z = torch.view_as_complex(x[..., -R:].unflatten(-1, (-1, 2)).contiguous())
+    return torch.cat((x[..., :-R], torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle)).flatten(-2)), -1)
+
+
+@pytest.mark.parametrize("shape,R", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_training_kernels_equal_autograd_bit_for_bit(shape, R, dtype, inverse):
+    """Under a gradient the kernel path (`ops._RoPE`: forward kernel, backward = the kernel with the angles
+    negated) gives the output and x's gradient of autograd through `apply_rope` bit for bit, and both equal fp64
+    autograd through a complex rotation to x's rounding; the cotangent arrives non-contiguous."""
+    g = torch.Generator().manual_seed(hash(("train", shape, R, str(dtype), inverse)) % 2**31)
+    x = _x(shape, dtype, g)
+    cos, sin = _angles(shape[0], shape[1], R, g)
+    cot = torch.randn(*reversed(shape), generator=g).to(dtype).permute(*reversed(range(len(shape))))
+    results = {}
+    for name in ("torch", "triton"):
+        leaf = x.clone().requires_grad_(True)
+        with use_backend(name):
+            y = ops.rope(leaf, cos, sin, inverse=inverse)
+        assert ("_RoPE" in type(y.grad_fn).__name__) == (name == "triton")  # the kernel Function ran, or autograd
+        y.backward(cot)
+        results[name] = (y.detach(), leaf.grad)
+    (y_k, gx_k), (y_t, gx_t) = results["triton"], results["torch"]
+    assert torch.equal(y_k, y_t) and torch.equal(gx_k, gx_t), f"max grad diff {(gx_k - gx_t).abs().max():.3e}"
+    x64 = x.double().requires_grad_(True)
+    _complex_rope64(x64, cos, sin, inverse).backward(cot.double())
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(gx_k.double(), x64.grad, **tol)
+    assert gx_k.dtype == dtype
+
+
+def test_rope_training_takes_the_twin_where_the_kernel_does_not_fit():
+    """`auto` on the CPU, angles that need a gradient, or D not a multiple of 32: autograd through the twin."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 3, 64, generator=g, requires_grad=True)
+    cos, sin = _angles(2, 3, 16, g)
+    assert "_RoPE" not in type(ops.rope(x, cos, sin).grad_fn).__name__  # auto, CPU tensors
+    with use_backend("triton"):
+        assert "_RoPE" in type(ops.rope(x, cos, sin).grad_fn).__name__
+        assert "_RoPE" not in type(ops.rope(x, cos.requires_grad_(), sin).grad_fn).__name__
+
+
 @pytest.mark.parametrize("fmt,block,kind", [("index_fp4", 32, "e8m0"), ("kv_fp4", 16, "e4m3")])
 @pytest.mark.parametrize("shape,R", CASES[:2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -114,6 +163,26 @@ def test_gpu_rope_kernels_equal_twins(shape, R):
         assert torch.equal(got, want)
     got, want = _both(lambda *a: ops.rope_fake_quant(*a, "index_fp4"), x, cos, sin)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,R", [((16, 1024, 6, 128), 64), ((16, 1024, 128), 64), ((16, 1024, 4, 64), 64)])
+def test_gpu_rope_training_equals_autograd(shape, R):
+    """`small`'s training shapes (queries, window keys, indexer queries): the kernel Function against autograd
+    through the twin, output and gradient bit for bit."""
+    g = torch.Generator().manual_seed(9)
+    x = _x(shape, torch.bfloat16, g, "cuda")
+    cos, sin = _angles(shape[0], shape[1], R, g, "cuda")
+    cot = torch.randn(*shape, generator=g).to(torch.bfloat16).cuda()
+    out = {}
+    for name in ("torch", "auto"):
+        leaf = x.clone().requires_grad_(True)
+        with use_backend(name):
+            y = ops.rope(leaf, cos, sin, inverse=True)
+        assert ("_RoPE" in type(y.grad_fn).__name__) == (name == "auto")
+        y.backward(cot)
+        out[name] = (y.detach(), leaf.grad)
+    assert torch.equal(out["auto"][0], out["torch"][0]) and torch.equal(out["auto"][1], out["torch"][1])
 
 
 @pytest.mark.gpu

@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import assert_grads_close, randomize_mixing
 
-from dsv41 import load_config
-from dsv41.kernels import ops
 from dsv41.model.attention import topk_mask
 from dsv41.model.sparse_attention import attend_sparse, gather_rows, window_band
 from dsv41.model.state import ForwardContext
-from dsv41.model.transformer import Transformer
 
 sparse_train = pytest.importorskip("dsv41.kernels.triton.sparse_train")
 
@@ -180,45 +176,6 @@ def test_bad_input_is_a_clear_error():
 
 
 @pytest.mark.slow
-def test_model_losses_on_the_kernel_equal_the_twin(monkeypatch):
-    """`Transformer.losses(attention="sparse")` with every attention layer on the kernel (and every indexer's
-    selected scores on theirs, `kernels/triton/selected_scores.py`) = on the twins:
-    LM loss, indexer KL (its target from the kernel's entry logits) and every gradient, fp32, with
-    packed documents and a replay start. `tiny` cut to 6 layers (window-only, Full m = 2, Reuse;
-    Full m = 1 with the candidate pool, Reuse, Reindex) to keep the interpreter's time short."""
-    config = load_config("tiny").replace(
-        n_layers=6, compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layers=[1, 3], index_source_layers=[1, 3, 5],
-        candidate_source_layer=3)
-    model = Transformer(config).init_weights(seed=7).train()
-    randomize_mixing(model, 7)
-    T = 44
-    g = torch.Generator().manual_seed(8)
-    tokens = torch.randint(3, config.vocab_size, (1, T + 1), generator=g)
-    doc = torch.zeros(1, T, dtype=torch.long)
-    doc[0, 9:] = 1  # two packed documents, the second longer than the window (32)
-    t = torch.arange(T)
-    ws = torch.where(t >= 37, 37, 0).unsqueeze(0)  # (1, T)
-
-    def run(kernel: bool):
-        calls, scores = [], []
-        monkeypatch.setattr(ops, "sparse_train_kernel", lambda *a: calls.append(1) or kernel)
-        monkeypatch.setattr(ops, "selected_scores_kernel", lambda *a: scores.append(1) or kernel)
-        model.zero_grad(set_to_none=True)
-        losses = model.losses(tokens[:, :-1], tokens[:, 1:], doc_ids=doc, window_start=ws, attention="sparse")
-        losses.total.backward()
-        assert len(calls) == config.n_layers and len(scores) == len(config.index_source_layers)
-        return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    lt, gt = run(False)
-    lk, gk = run(True)
-    for name in ("lm", "indexer", "total"):
-        want, got = getattr(lt, name).item(), getattr(lk, name).item()
-        rel = abs(got - want) / abs(want)
-        print(f"{name}: twin {want:.8f} kernel {got:.8f} rel {rel:.1e}")
-        assert rel <= 1e-5, f"{name}: kernel {got:.8f} vs twin {want:.8f} (rel {rel:.1e})"
-    assert_grads_close(gk, gt, 1e-5)
-
-
 # ---- GPU: `small` widths, fp32 and bf16 ------------------------------------------------------------
 
 

@@ -87,13 +87,18 @@ def needs_grad(*tensors: Tensor | None) -> bool:
 
 
 def _use_triton(*tensors: Tensor | None) -> bool:
+    """An inference kernel runs: forced, or `auto` with every tensor on CUDA — and never under a gradient, forced
+    or not (these kernels have no backward: their output would cut the graph and leave the inputs' gradients
+    silently missing; the ops with training kernels choose those in `_training_kernel`)."""
     forced = _forced()
+    present = [t for t in tensors if t is not None]
+    if needs_grad(*present):
+        return False
     if forced is not None:
         return forced
-    present = [t for t in tensors if t is not None]
     if not HAVE_TRITON or not present or not all(t.is_cuda for t in present):
         return False
-    return not needs_grad(*present)
+    return True
 
 
 def _impl(family: str, name: str, *tensors: Tensor | None, supported: bool = True):
@@ -384,8 +389,39 @@ def ring_write(chunk: Tensor, positions: Tensor, ring_row: Tensor, valid: Tensor
 def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
     """Rotate the last 2·cos.size(-1) channels of x (B, T, [H,] D) as adjacent pairs by the angles
     (cos, sin) (B, T, R/2) — by their negatives when `inverse` — in fp32, rounded to x's dtype; the
-    other channels are copied. Equals `model.rope.apply_rope` bit for bit. One kernel on CUDA."""
-    return _impl("cache_write", "rope", x, cos, sin)(x, cos, sin, inverse)
+    other channels are copied. Equals `model.rope.apply_rope` bit for bit. One kernel on CUDA.
+
+    In training (x needs a gradient; the angles never do) it is one kernel forward and one backward on CUDA
+    (`_RoPE`): a rotation's transpose is the rotation by the negated angles, so the backward is this function
+    with `inverse` flipped on the incoming gradient — the same fp32 products, sums and one rounding as autograd
+    through `apply_rope` (bit for bit, `tests/kernels/test_rope_norm.py`), where autograd ran ~8 kernels forward
+    and ~10 backward per call. `auto` takes it when x is a 3- or 4-D CUDA float tensor with D % 32 == 0."""
+    fits = x.dim() in (3, 4) and x.dtype in _ROPE_FLOATS and x.size(-1) % 32 == 0
+    if needs_grad(x) and not needs_grad(cos, sin) and _training_kernel("cache_write", x, fits=fits):
+        return _RoPE.apply(x, cos, sin, inverse)
+    return _impl("cache_write", "rope", x, cos, sin, supported=fits)(x, cos, sin, inverse)
+
+
+_ROPE_FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))
+
+
+class _RoPE(torch.autograd.Function):
+    """`rope` with the Triton kernel forward and backward (saves only the angles)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, inverse):
+        from dsv41.kernels.triton import cache_write
+
+        ctx.save_for_backward(cos, sin)
+        ctx.inverse = inverse
+        return cache_write.rope(x, cos, sin, inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from dsv41.kernels.triton import cache_write
+
+        cos, sin = ctx.saved_tensors
+        return cache_write.rope(grad, cos, sin, not ctx.inverse), None, None, None
 
 
 def rope_fake_quant(x: Tensor, cos: Tensor, sin: Tensor, fmt: str) -> Tensor:
@@ -401,7 +437,13 @@ def rope_fake_quant(x: Tensor, cos: Tensor, sin: Tensor, fmt: str) -> Tensor:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """weight · x / sqrt(mean(x²) + eps) over the last dim in fp32, in x's dtype (`model.norm.RMSNorm`).
-    The Triton kernel agrees with the twin to fp32 rounding (reduction order). One kernel on CUDA."""
+    The Triton kernel agrees with the twin to fp32 rounding (reduction order). One kernel on CUDA.
+
+    In training (a gradient needed) on CUDA: one forward kernel that also keeps each row's 1/RMS and one backward
+    kernel for ∂x and the rows' partial ∂w sums (`kernels.triton.norm.rms_norm_train`; the twin's Function ran
+    ~7 + ~12 fp32 torch ops; `tests/kernels/test_norm_train.py`)."""
+    if needs_grad(x, weight) and _training_kernel("norm", x, weight):
+        return importlib.import_module("dsv41.kernels.triton.norm").rms_norm_train(x, weight, eps)
     return _impl("norm", "rms_norm", x, weight, supported=x.dtype in _MHC_FLOATS | {torch.float16})(x, weight, eps)
 
 
@@ -414,7 +456,13 @@ def swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None = None,
     """silu(min(gate, limit)) · clamp(up, ±limit) in fp32 (no clamp when limit <= 0), scaled by `weight`
     (M, G): hidden column j by weight[:, j // (C / G)] — a per-row routing weight (G = 1) or the dense
     MoE's per-expert blocks (G = E) — rounded once to out_dtype (default gate's). gate, up (M, C).
-    Equals `model.moe._swiglu(...).to(out_dtype)` to fp32 rounding. One kernel on CUDA."""
+    Equals `model.moe._swiglu(...).to(out_dtype)` to fp32 rounding. One kernel on CUDA.
+
+    In training (a gradient needed) on CUDA: that kernel forward and one backward kernel for ∂gate, ∂up and the
+    routing weight's per-row partial sums (`kernels.triton.swiglu.swiglu_train`; the twin's Function ran ~7 + ~15
+    fp32 torch ops; `tests/kernels/test_swiglu_train.py`)."""
+    if needs_grad(gate, up, weight) and _training_kernel("swiglu", gate, up, weight):
+        return importlib.import_module("dsv41.kernels.triton.swiglu").swiglu_train(gate, up, limit, weight, out_dtype)
     fn = _impl("swiglu", "swiglu", gate, up, weight, supported=gate.dtype in _MHC_FLOATS | {torch.float16})
     return fn(gate, up, limit, weight, out_dtype)
 
@@ -504,9 +552,10 @@ def sparse_train_kernel(q: Tensor, window_kv: Tensor, entries: Tensor | None) ->
     return _training_kernel("sparse_train", q, window_kv, entries)
 
 
-def _training_kernel(module: str, first: Tensor, *args: Tensor | None) -> bool:
+def _training_kernel(module: str, first: Tensor, *args: Tensor | None, fits: bool | None = None) -> bool:
     """The training kernels' shared choice: never under torch.compile (it traces the twin), the forced backend's
-    answer, else Triton installed, `first` on CUDA and kernels.triton.<module>.supported(first, *args)."""
+    answer, else Triton installed, `first` on CUDA and the kernels take the shapes: `fits` when the caller
+    decided it, else kernels.triton.<module>.supported(first, *args)."""
     if torch.compiler.is_compiling():
         return False
     forced = _forced()
@@ -514,6 +563,8 @@ def _training_kernel(module: str, first: Tensor, *args: Tensor | None) -> bool:
         return forced
     if not HAVE_TRITON or not first.is_cuda:
         return False
+    if fits is not None:
+        return fits
     return importlib.import_module(f"dsv41.kernels.triton.{module}").supported(first, *args)
 
 

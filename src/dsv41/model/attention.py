@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from dsv41.config import ModelConfig
 from dsv41.kernels import ops
 from dsv41.model.norm import RMSNorm
-from dsv41.model.rope import apply_rope, layer_frequencies, rope_angles
+from dsv41.model.rope import layer_frequencies, rope_angles
 from dsv41.model.state import ForwardContext
 from dsv41.plan import FULL, REINDEX, REUSE, LayerPlan
 from dsv41.quant.fp4 import fake_quant_index_fp4, fake_quant_kv_fp4
@@ -99,7 +99,7 @@ class Indexer(nn.Module):
 
     def keys(self, latent: Tensor, cos: Tensor, sin: Tensor, quant: bool) -> Tensor:
         """Index keys from pre-RoPE entries (B, N, D) → (B, N, index_head_dim)."""
-        k = apply_rope(self.k_norm(self.wk(latent)), cos, sin)
+        k = ops.rope(self.k_norm(self.wk(latent)), cos, sin)
         return _maybe(fake_quant_index_fp4, k, quant)
 
     def queries(self, qr: Tensor, cos: Tensor, sin: Tensor, quant: bool) -> Tensor:
@@ -318,7 +318,7 @@ class Attention(nn.Module):
     def window_kv(self, x: Tensor, cos: Tensor, sin: Tensor, quant: bool | None = None) -> Tensor:
         """This layer's own window KV: kv_norm(wkv(x)), RoPE, FP8 (when quantizing)."""
         quant = self.qat if quant is None else quant
-        return _maybe(fake_quant_window_fp8, apply_rope(self.kv_norm(self.wkv(x)), cos, sin), quant)
+        return _maybe(fake_quant_window_fp8, ops.rope(self.kv_norm(self.wkv(x)), cos, sin), quant)
 
     def entries(self, latent: Tensor, first_positions: Tensor, quant: bool | None = None
                 ) -> tuple[Tensor, Tensor | None]:
@@ -328,7 +328,7 @@ class Attention(nn.Module):
         index_k = None
         if self.plan.owns_indexer and self.indexer.owns_k:
             index_k = self.indexer.keys(latent.detach(), cos, sin, quant)
-        return _maybe(fake_quant_kv_fp4, apply_rope(latent, cos, sin), quant), index_k
+        return _maybe(fake_quant_kv_fp4, ops.rope(latent, cos, sin), quant), index_k
 
     def output(self, o: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Inverse RoPE on the output's rotary tail, then the grouped projection."""
