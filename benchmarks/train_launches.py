@@ -10,6 +10,11 @@ training attention, foreach AdamW), so the CPU count is a map of the eager step,
 
     python benchmarks/train_launches.py                       # CPU, small, 1 x 256, bf16 autocast
     python benchmarks/train_launches.py --sinkhorn-iters 1    # the same step with one Sinkhorn round
+    TRITON_INTERPRET=1 python benchmarks/train_launches.py --preset tiny --seq 64 --backend triton
+        # the CUDA path's training kernels (in the interpreter; slow): the torch ops left between them
+
+`--backend triton` leaves the kernels' own launches (one or two per training Function) out of the count and skips
+the interpreter's internal tensor ops, so what it counts is the glue a GPU step would launch around the kernels.
 
 Writes benchmarks/results/train_launches-<date>[-N].json.
 """
@@ -31,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import write_result  # noqa: E402
 
 from dsv41 import load_config
+from dsv41.kernels.ops import use_backend
 from dsv41.model.transformer import Transformer
 from dsv41.optim import build_optimizer
 from dsv41.testing.sync import launches_kernel
@@ -48,7 +54,10 @@ class Launches(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if launches_kernel(func):
-            frames = [f for f in traceback.extract_stack(limit=25) if "src/dsv41/" in f.filename]
+            stack = traceback.extract_stack(limit=25)
+            if any("triton/runtime/interpreter" in f.filename for f in stack):  # the interpreter running a kernel
+                return func(*args, **(kwargs or {}))
+            frames = [f for f in stack if "src/dsv41/" in f.filename]
             site = f"{frames[-1].filename.split('src/dsv41/')[-1]}:{frames[-1].name}" if frames else "(autograd)"
             self.counts[(self.phase, site)] += 1
         return func(*args, **(kwargs or {}))
@@ -60,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--sinkhorn-iters", type=int, default=None, help="override hc_sinkhorn_iters")
+    ap.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
+                    help="kernel backend: 'triton' runs the CUDA path's training kernels (on the CPU through Triton's "
+                         "interpreter, TRITON_INTERPRET=1; slow): what remains is the glue between them")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -84,15 +96,17 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step(Launches())  # warm-up: optimizer state, first-call paths
-    with Launches() as counter:
-        step(counter)
+    with use_backend(args.backend):
+        step(Launches())  # warm-up: optimizer state, first-call paths
+        with Launches() as counter:
+            step(counter)
     phases: collections.Counter = collections.Counter()
     for (phase, _), n in counter.counts.items():
         phases[phase] += n
     total = sum(phases.values())
     result = {"benchmark": "train_launches", "date": dt.date.today().isoformat(), "preset": args.preset,
-              "batch": args.batch, "seq": args.seq, "hc_sinkhorn_iters": config.hc_sinkhorn_iters,
+              "batch": args.batch, "seq": args.seq, "backend": args.backend,
+              "hc_sinkhorn_iters": config.hc_sinkhorn_iters,
               "torch": torch.__version__, "total": total, "phases": dict(phases),
               "sites": {f"{p} {s}": n for (p, s), n in counter.counts.most_common(args.top)}}
     print(f"{args.preset} {args.batch}x{args.seq}, {config.hc_sinkhorn_iters} Sinkhorn rounds: {total} kernel ops "
