@@ -33,6 +33,24 @@ def load_script(path: str):
     return module
 
 
+def compiled_result(script: str):
+    """Run `script` (Python source) in a subprocess with Triton's compiler, not its interpreter (which cannot
+    compile for a GPU: the sm_90a tests compile through `benchmarks/sass.py`); the JSON it printed after "RESULT "."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = FP32_RTOL, atol: float = FP32_ATOL,
                  what: str = "") -> None:
     """allclose with max/mean error in the failure message, and identical NaN/inf positions."""

@@ -10,15 +10,8 @@ The interpreter the other tests use cannot compile, so the compile runs in a sub
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import compiled_result
 
 SCRIPT = r"""
 import json, re, sys
@@ -59,13 +52,7 @@ print("RESULT " + json.dumps(out))
 @pytest.mark.slow
 def test_backward_kernels_add_gradients_with_relaxed_atomics_and_no_fence():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, res.stderr[-3000:]
-    kernels = json.loads(lines[-1][len("RESULT "):])
+    kernels = compiled_result(SCRIPT)
     for name in ("_entry_bwd_kernel", "_scores_bwd_kernel"):
         atomics = kernels[name]["atomics"]
         assert atomics, f"{name}: no atomic add compiled"

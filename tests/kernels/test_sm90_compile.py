@@ -9,15 +9,8 @@ runs `ptxas -v` on the PTX: every kernel compiles, none spills registers. In a s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import compiled_result
 
 SCRIPT = r"""
 import json, pathlib, sys, tempfile
@@ -60,13 +53,7 @@ print("RESULT " + json.dumps(out))
 @pytest.mark.slow
 def test_training_elementwise_kernels_compile_for_sm90a_without_spills():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, res.stderr[-3000:]
-    kernels = json.loads(lines[-1][len("RESULT "):])
+    kernels = compiled_result(SCRIPT)
     names = {k["name"] for k in kernels}
     want = {"_rms_norm_train_fwd_kernel", "_rms_norm_train_bwd_kernel", "_swiglu_kernel", "_swiglu_bwd_kernel",
             "_rope_quantize_kernel"}
