@@ -9,9 +9,12 @@ in the parent re-raises with the rank's traceback.
 from __future__ import annotations
 
 import math
+import multiprocessing.forkserver as forkserver
 import os
 import socket
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -171,6 +174,27 @@ def _entry(rank: int, world: int, port: int, fn, args) -> None:
         dist.destroy_process_group()
 
 
-def spawn(fn, world: int, *args) -> None:
-    """Run fn(rank, world, *args) on `world` gloo ranks (fn must be importable: a module-level function)."""
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+def spawn(fn, world: int, *args, start_method: str = "spawn") -> None:
+    """Run fn(rank, world, *args) on `world` gloo ranks (fn must be importable: a module-level function);
+    start_method "forkserver" forks them from the server `fork_server` preloaded."""
+    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True,
+                       start_method=start_method)
+
+
+@contextmanager
+def fork_server(preload: list[str]) -> Iterator[None]:
+    """Inside, ranks spawned with start_method="forkserver" fork from one server that imported `preload` once
+    (by importable names: the server does not take the parent's sys.path, so pytest's names for test modules are
+    skipped). Spawned, each rank imports torch and dsv41 itself (~5 s of CPU on the 2-core CI box) and tears its
+    interpreter down at exit: more than the training a short test runs. A server started earlier without the
+    preload is stopped first (the preload only applies at start; `_stop` is the stdlib's own, private), and this
+    one afterwards."""
+    server = forkserver._forkserver
+    before = server._preload_modules
+    server._stop()
+    forkserver.set_forkserver_preload(preload)
+    try:
+        yield
+    finally:
+        server._stop()
+        forkserver.set_forkserver_preload(before)

@@ -5,7 +5,7 @@ gradient and parameter; a step from updated weights, MoE biases and optimizer st
 distributed checkpoint reloads on 2 ranks (dp=2: FSDP only) and on 1 process and continues the same loss
 curve for 2 more steps (the single-device continuation: the combination's losses of steps 3 and 4 equal
 single-device training from its checkpoint); the checkpoint converts to the single-file safetensors format.
-The ranks fork from a server that imported torch and dsv41 once (`_fork_server`).
+The ranks fork from a server that imported torch and dsv41 once (`harness.fork_server`).
 
 The single layouts (dp, ep, cp, pp alone) run with DSV41_PARALLEL_FULL=1 (tests/parallel/test_layouts.py).
 """
@@ -13,15 +13,11 @@ The single layouts (dp, ep, cp, pp alone) run with DSV41_PARALLEL_FULL=1 (tests/
 from __future__ import annotations
 
 import json
-import multiprocessing.forkserver as forkserver
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from tests.parallel.equality import run_layout
-from tests.parallel.harness import _entry, free_port, make_batches, make_model, reference_optimizer, reference_step
+from tests.parallel.harness import fork_server, make_batches, make_model, reference_optimizer, reference_step, spawn
 from tests.parallel.test_pipeline import check_shadows_after_step
 
 COMBINED = "pp=2,cp=2,ep=2,cuts=5"
@@ -65,31 +61,8 @@ def _reload(rank: int, world: int, folder: str) -> None:
         print(f"reloaded on 2 ranks (dp=2): {got}", flush=True)
 
 
-# what every rank imports (torch, dsv41, the harness): loaded once by the fork server, by names it can import (the
-# server of Python 3.11 does not take the parent's sys.path, so pytest's name for this module would be skipped)
+# what every rank imports (torch, dsv41, the harness), loaded once by the fork server
 PRELOAD = ["tests.parallel.equality", "dsv41.parallel", "dsv41.parallel.checkpoint", "dsv41.checkpoint"]
-
-
-@contextmanager
-def _fork_server() -> Iterator[None]:
-    """Ranks started by `_spawn` fork from one server process that imported `PRELOAD` once. Spawned, each of the
-    6 ranks imports them itself (~5 s of CPU on the 2-core CI box) and tears its interpreter down at exit (~1 s):
-    more than the training they run. The server is stopped afterwards."""
-    server = forkserver._forkserver
-    before = server._preload_modules
-    server._stop()  # a server started earlier without the preload
-    forkserver.set_forkserver_preload(PRELOAD)
-    try:
-        yield
-    finally:
-        server._stop()
-        forkserver.set_forkserver_preload(before)
-
-
-def _spawn(fn, world: int, *args) -> None:
-    """`harness.spawn` (the same rank entry: gloo, one thread, tracebacks re-raised) on forked ranks."""
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True,
-                       start_method="forkserver")
 
 
 def test_combined_checkpoint_reshards(tmp_path: Path) -> None:
@@ -97,9 +70,9 @@ def test_combined_checkpoint_reshards(tmp_path: Path) -> None:
     from dsv41.parallel.checkpoint import load_single, to_safetensors
 
     folder = str(tmp_path / "dcp")
-    with _fork_server():
-        _spawn(_save, 4, folder)
-        _spawn(_reload, 2, folder)
+    with fork_server(PRELOAD):
+        spawn(_save, 4, folder, start_method="forkserver")
+        spawn(_reload, 2, folder, start_method="forkserver")
     # one process, no process group: the single-device model and optimizer continue the curve
     model, expected = make_model(seed=2), json.loads((Path(folder) / "curve.json").read_text())
     optimizer = reference_optimizer(model)
