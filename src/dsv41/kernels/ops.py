@@ -223,6 +223,7 @@ def select_blocks(block_max: Tensor, newest: Tensor, k_blocks: int) -> Tensor:
 # Single-pass mHC (SPEC §5): one pass over the streams after a sublayer.
 
 _MHC_FLOATS = {torch.float32, torch.bfloat16}  # what the Triton kernels take (fp16 runs the twin)
+_FLOATS = _MHC_FLOATS | {torch.float16}  # what the elementwise kernels (RoPE, RMSNorm, SwiGLU, router, ...) take
 
 
 def mhc_post(h: Tensor, f: Tensor, post: Tensor, comb: Tensor, pre: Tensor, hc_fn: Tensor | None,
@@ -396,13 +397,10 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool = False) -> Tensor:
     with `inverse` flipped on the incoming gradient — the same fp32 products, sums and one rounding as autograd
     through `apply_rope` (bit for bit, `tests/kernels/test_rope_norm.py`), where autograd ran ~8 kernels forward
     and ~10 backward per call. `auto` takes it when x is a 3- or 4-D CUDA float tensor with D % 32 == 0."""
-    fits = x.dim() in (3, 4) and x.dtype in _ROPE_FLOATS and x.size(-1) % 32 == 0
+    fits = x.dim() in (3, 4) and x.dtype in _FLOATS and x.size(-1) % 32 == 0
     if needs_grad(x) and not needs_grad(cos, sin) and _training_kernel("cache_write", x, fits=fits):
         return _RoPE.apply(x, cos, sin, inverse)
     return _impl("cache_write", "rope", x, cos, sin, supported=fits)(x, cos, sin, inverse)
-
-
-_ROPE_FLOATS = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
 class _RoPE(torch.autograd.Function):
@@ -444,7 +442,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     ~7 + ~12 fp32 torch ops; `tests/kernels/test_norm_train.py`)."""
     if needs_grad(x, weight) and _training_kernel("norm", x, weight):
         return importlib.import_module("dsv41.kernels.triton.norm").rms_norm_train(x, weight, eps)
-    return _impl("norm", "rms_norm", x, weight, supported=x.dtype in _MHC_FLOATS | {torch.float16})(x, weight, eps)
+    return _impl("norm", "rms_norm", x, weight, supported=x.dtype in _FLOATS)(x, weight, eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,7 +461,7 @@ def swiglu(gate: Tensor, up: Tensor, limit: float, weight: Tensor | None = None,
     fp32 torch ops; `tests/kernels/test_swiglu_train.py`)."""
     if needs_grad(gate, up, weight) and _training_kernel("swiglu", gate, up, weight):
         return importlib.import_module("dsv41.kernels.triton.swiglu").swiglu_train(gate, up, limit, weight, out_dtype)
-    fn = _impl("swiglu", "swiglu", gate, up, weight, supported=gate.dtype in _MHC_FLOATS | {torch.float16})
+    fn = _impl("swiglu", "swiglu", gate, up, weight, supported=gate.dtype in _FLOATS)
     return fn(gate, up, limit, weight, out_dtype)
 
 
@@ -507,9 +505,8 @@ def engram_gate(x: Tensor, kv: Tensor, q_weight: Tensor, k_weight: Tensor, eps: 
     d = Σ(h·(q_weight·k_weight)·key)·rstd(h)·rstd(key)·dim^−½ (RMS over dim, + eps), gate =
     σ(sign(d)·√max(|d|, 1e-6)), 0 where token_mask (B, T) is False. Agrees with the twin to fp32 rounding
     (reduction order); one kernel on CUDA (no gradient)."""
-    floats = _MHC_FLOATS | {torch.float16}
     fn = _impl("engram", "engram_gate", x, kv, q_weight, k_weight, token_mask,
-               supported=floats.issuperset((kv.dtype, q_weight.dtype, k_weight.dtype)))
+               supported=_FLOATS.issuperset((kv.dtype, q_weight.dtype, k_weight.dtype)))
     return fn(x, kv, q_weight, k_weight, eps, token_mask)
 
 
@@ -532,10 +529,9 @@ def markov_greedy(base: Tensor, hidden: Tensor, anchors: Tensor, embed: Tensor, 
     (their one-row-per-program form) and the twin above: in CUDA graphs on the H100 (2026-12-07, the shipped
     drafter's V 16,384, r 256, K 5) 61 µs against the twin's 131 at B = 1, but 513 µs (the tiles of 16 rows)
     against 201 at B = 64."""
-    floats = _MHC_FLOATS | {torch.float16}
     fn = _impl("markov", "markov_greedy", base, hidden, anchors, embed, head, conf_weight,
                supported=base.dtype == torch.float32 and base.dim() == 3 and base.size(0) <= MARKOV_TRITON_ROWS
-               and floats.issuperset((hidden.dtype, embed.dtype, head.dtype, conf_weight.dtype)))
+               and _FLOATS.issuperset((hidden.dtype, embed.dtype, head.dtype, conf_weight.dtype)))
     return fn(base, hidden, anchors, embed, head, conf_weight)
 
 
