@@ -59,5 +59,6 @@ def test_training_elementwise_kernels_compile_for_sm90a_without_spills():
             "_rope_quantize_kernel"}
     assert want <= names, f"not compiled: {sorted(want - names)}"
     for k in kernels:
+        print(f"{k['name']}: {k['registers']} registers, spills {k['spill_stores']} / {k['spill_loads']} bytes")
         assert k["registers"] is not None, f"{k['name']}: ptxas gave no report"
         assert k["spill_stores"] == 0 and k["spill_loads"] == 0, k
